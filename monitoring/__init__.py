@@ -1,0 +1,1 @@
+"""r9k.monitoring: Prometheus exporter, alert rules, Grafana dashboards."""

@@ -1,0 +1,60 @@
+"""The `r9k` command line: one click group, one subgroup per component.
+
+Subgroups are imported lazily so `r9k capacity` does not pay for Ray or vLLM imports, and a
+component that fails to import breaks only its own subcommand.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import click
+
+# name -> "module:attribute" of a click command or group; each component owns its entry.
+SUBCOMMANDS: dict[str, str] = {
+    "capacity": "r9k.capacity_cli:capacity",
+    "model": "r9k.tiny_model:model",
+    "demo": "r9k.demo:demo",
+    "ops": "r9k.ops.cli:ops",
+    "exporter": "r9k.monitoring.cli:exporter",
+    "fleet": "r9k.deploy.cli:fleet",
+    "bench": "r9k.bench_cli:bench",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(n for n in SUBCOMMANDS if _available(n))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = SUBCOMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                return None  # component not built yet
+            raise
+        return getattr(module, attr)
+
+
+def _available(name: str) -> bool:
+    module_name = SUBCOMMANDS[name].split(":")[0]
+    return importlib.util.find_spec(module_name) is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="r9700-stack")
+def main() -> None:
+    """r9700-stack: serve hybrid GDN models on Radeon AI PRO R9700 fleets with vLLM.
+
+    Exit codes: 0 ok, 1 a check failed or drift was found, 2 bad input.
+    """
+
+
+class BadInput(click.ClickException):
+    """Bad input: a one-line message naming what was wrong and what was expected; exit 2."""
+
+    exit_code = 2
