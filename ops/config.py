@@ -1,0 +1,162 @@
+"""Ops configuration (YAML), validated strictly: numbers must be YAML numbers, units are in names.
+
+The original fleet's boot service read ``210 # safe`` as its cap and failed silently; here any
+value that is not exactly what the field expects is refused with a message naming the field.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
+
+from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
+
+DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
+
+
+class ConfigError(ValueError):
+    """Configuration refused: the message names the file, the field and what was expected."""
+
+
+class PowerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    power_cap_watts: Union[StrictInt, None] = None  # the kernel keeps whole watts
+    voltage_offset_mv: Union[StrictInt, None] = None
+
+    @field_validator("power_cap_watts")
+    @classmethod
+    def _cap_positive(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"expected a positive number of watts, got {value}")
+        return value
+
+    @field_validator("voltage_offset_mv")
+    @classmethod
+    def _offset_not_positive(cls, value: int | None) -> int | None:
+        if value is not None and value > 0:
+            raise ValueError(f"expected an undervolt (0 or negative millivolts), got +{value}")
+        return value
+
+
+class OpsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    backend: Literal["auto", "lact", "sysfs"] = "auto"
+    lact_socket: StrictStr = "/run/lactd.sock"
+    defaults: PowerSettings = PowerSettings()
+    cards: dict[StrictStr, PowerSettings] = {}
+    hooks: list[Union[StrictStr, list[StrictStr]]] = []
+    fault_events: list[StrictStr] = list(DEFAULT_FAULT_EVENTS)
+
+    @field_validator("cards")
+    @classmethod
+    def _bdf_keys(cls, cards: dict[str, PowerSettings]) -> dict[str, PowerSettings]:
+        for key in cards:
+            if not BDF_RE.match(key):
+                raise ValueError(f"card key {key!r}: expected a full lowercase PCI address like 0000:03:00.0")
+        return cards
+
+    @field_validator("hooks")
+    @classmethod
+    def _hooks_nonempty(cls, hooks: list) -> list:
+        for hook in hooks:
+            argv = shlex.split(hook) if isinstance(hook, str) else hook
+            if not argv:
+                raise ValueError("empty hook command")
+        return hooks
+
+    @field_validator("fault_events")
+    @classmethod
+    def _known_events(cls, events: list[str]) -> list[str]:
+        for name in events:
+            if name not in EVENT_TYPES:
+                raise ValueError(f"unknown event {name!r}, expected one of {', '.join(EVENT_TYPES)}")
+        return events
+
+    def hook_argvs(self) -> list[list[str]]:
+        return [shlex.split(h) if isinstance(h, str) else list(h) for h in self.hooks]
+
+    def wanted(self, bdf: str) -> PowerSettings:
+        """Per-card override over defaults, field by field; None = leave that setting alone."""
+        override = self.cards.get(bdf, PowerSettings())
+        return PowerSettings(
+            power_cap_watts=override.power_cap_watts if override.power_cap_watts is not None
+            else self.defaults.power_cap_watts,
+            voltage_offset_mv=override.voltage_offset_mv if override.voltage_offset_mv is not None
+            else self.defaults.voltage_offset_mv,
+        )
+
+
+_EXPECTED = {
+    "power_cap_watts": "a YAML integer of watts such as 210 (no quotes, no unit)",
+    "voltage_offset_mv": "a YAML integer of millivolts such as -42 (no quotes, no unit)",
+    "backend": "one of auto, lact, sysfs",
+}
+
+
+def _describe(error: dict) -> str:
+    loc = ".".join(str(p) for p in error["loc"] if not str(p).startswith(("int", "float", "str", "list")))
+    kind = error["type"]
+    field = str(error["loc"][-1]) if error["loc"] else ""
+    given = error.get("input")
+    if kind == "extra_forbidden":
+        parent = error["loc"][-2] if len(error["loc"]) > 1 else None
+        allowed = (PowerSettings if parent in ("defaults",) or (len(error["loc"]) > 2 and error["loc"][0] == "cards")
+                   else OpsConfig).model_fields
+        return f"{loc}: unknown field {field!r}, expected one of: {', '.join(allowed)}"
+    for name, expected in _EXPECTED.items():
+        if name in [str(p) for p in error["loc"]]:
+            if isinstance(given, str):
+                return f"{loc}: got the string {given!r}, expected {expected}"
+            if kind == "value_error":
+                return f"{loc}: {error['msg'].removeprefix('Value error, ')}"
+            return f"{loc}: got {given!r}, expected {expected}"
+    return f"{loc or 'config'}: {error['msg'].removeprefix('Value error, ')} (got {given!r})"
+
+
+def parse_config(text: str, source: str = "<config>") -> OpsConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return OpsConfig.model_validate(data)
+    except ValidationError as exc:
+        # Deduplicate: a union reports one error per alternative.
+        seen: list[str] = []
+        for error in exc.errors():
+            msg = _describe(error)
+            if msg not in seen:
+                seen.append(msg)
+        raise ConfigError(f"{source}: " + "; ".join(seen)) from None
+
+
+def load_config(path: str | os.PathLike) -> OpsConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found (expected YAML, see ops/README.md)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    config = parse_config(text, str(path))
+    if config.hooks:
+        # Hooks run as root: a file anyone but root can edit is a privilege escalation.
+        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"{path}: defines hooks but is writable by someone other than root "
+                f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); expected root-owned, "
+                "not group/world-writable"
+            )
+    return config

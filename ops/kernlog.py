@@ -1,0 +1,180 @@
+"""Kernel-log lines -> classified amdgpu events (the shared vocabulary in :mod:`r9k.ops.state`).
+
+Understands /dev/kmsg records (``pri,seq,ts,flags;msg`` with `` DEVICE=+pci:BDF`` continuation
+lines), ``journalctl -k -o json`` objects and plain dmesg/syslog text. The message is matched; the
+BDF comes from the ``amdgpu 0000:03:00.0:`` prefix, the record's device, or (for ``[drm]`` lines
+without one) the card the previous amdgpu line named.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RESET_SOURCES = {0: "unknown", 1: "job", 2: "ras", 3: "mes", 4: "hws", 5: "user"}
+
+_BDF = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+_PREFIX_BDF = re.compile(rf"\b(?:amdgpu|pci)\s+({_BDF}):")
+_KMSG = re.compile(r"^(\d+),(\d+),(\d+),([^;]*);(.*)$")
+_DMESG_TS = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
+_SYSLOG = re.compile(r"^\S+(?:\s+\d+)?\s+[\d:.T+-]+\s+\S+\s+kernel:\s?(.*)$")
+
+# (type, pattern); the first match wins. Follow-up lines of one fault (``failed to remove hardware
+# queue from MES``, ``GPU reset end with ret``, ``VRAM is lost``) are deliberately not events.
+_RULES: list[tuple[str, re.Pattern[str]]] = [
+    ("mes_timeout", re.compile(r"\bMES(?:\((?P<pipe>\d+)\))? failed to respond to msg=\s*(?P<msg>.+?)\s*$")),
+    ("mes_timeout", re.compile(r"\bMES failed to response msg=\s*(?P<msg>\S+)")),
+    ("ring_timeout", re.compile(r"\bring (?P<ring>\S+) timeout(?P<soft>, but soft recovered)?")),
+    ("reset_begin", re.compile(r"\bGPU reset begin!(?:\.?\s*Source:\s*(?P<source>\d+))?")),
+    ("reset_succeeded", re.compile(r"\bGPU reset\((?P<n>\d+)\) succeeded!")),
+    ("reset_failed", re.compile(r"\bGPU reset\((?P<n>\d+)\) failed")),
+    ("reset_failed", re.compile(r"\bGPU Recovery Failed:?\s*(?P<ret>-?\d+)?")),
+    ("device_lost", re.compile(r"\bdevice lost from bus!")),
+    ("recovery_disabled", re.compile(r"\bGPU recovery disabled\.?")),
+]
+
+
+@dataclass
+class LogLine:
+    """One kernel message with where it came from: ``stream`` + ``ordinal`` order the log."""
+
+    message: str
+    stream: str
+    ordinal: int
+    device_bdf: str | None = None  # from the record's metadata (kmsg DEVICE=, journal _KERNEL_DEVICE)
+    timestamp: str | None = None
+
+
+@dataclass
+class KernelEvent:
+    type: str
+    bdf: str | None
+    message: str
+    stream: str
+    ordinal: int
+    attribution: str  # "prefix", "device" or "context" (previous amdgpu line's card)
+    detail: dict[str, Any] = field(default_factory=dict)
+    timestamp: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _device_bdf(value: str | None) -> str | None:
+    if value and value.startswith("+pci:"):
+        bdf = value[5:].lower()
+        if re.fullmatch(_BDF, bdf):
+            return bdf
+    return None
+
+
+def parse_kmsg_record(record: str, boot_stream: str) -> LogLine | None:
+    """``pri,seq,ts,flags;message`` plus continuation lines (``" KEY=value"``)."""
+    first, *more = record.split("\n")
+    match = _KMSG.match(first)
+    if not match:
+        return None
+    device = None
+    for line in more:
+        if line.startswith(" DEVICE="):
+            device = _device_bdf(line[len(" DEVICE="):].strip())
+    ts_us = int(match.group(3))
+    return LogLine(match.group(5), boot_stream, int(match.group(2)), device, f"{ts_us / 1e6:.6f}")
+
+
+def parse_journal_json(text: str) -> LogLine | None:
+    try:
+        entry = json.loads(text)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    message = entry.get("MESSAGE")
+    if isinstance(message, list):  # journald emits non-UTF-8 messages as byte arrays
+        try:
+            message = bytes(message).decode("utf-8", "replace")
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(message, str):
+        return None
+    boot = entry.get("_BOOT_ID", "unknown")
+    try:
+        if "__SEQNUM" in entry:
+            stream, ordinal = f"journal:{entry.get('__SEQNUM_ID', boot)}", int(entry["__SEQNUM"])
+        else:
+            stream, ordinal = f"journal:{boot}", int(entry["__MONOTONIC_TIMESTAMP"])
+    except (KeyError, ValueError, TypeError):
+        return None
+    return LogLine(message, stream, ordinal, _device_bdf(entry.get("_KERNEL_DEVICE")),
+                   entry.get("__REALTIME_TIMESTAMP"))
+
+
+def parse_text_line(text: str, stream: str, ordinal: int) -> LogLine | None:
+    """dmesg (``[  12.345678] msg``), syslog (``... kernel: msg``) or a bare message."""
+    text = text.rstrip("\r\n")
+    if not text.strip():
+        return None
+    timestamp = None
+    match = _SYSLOG.match(text)
+    if match:
+        text = match.group(1)
+    match = _DMESG_TS.match(text)
+    if match:
+        timestamp, text = match.group(1), match.group(2)
+    return LogLine(text, stream, ordinal, None, timestamp)
+
+
+class Classifier:
+    """Stateful: remembers the last card named (for ``[drm]`` lines) and each card's last event."""
+
+    def __init__(self, context_bdf: str | None = None, last_types: dict[str, str] | None = None):
+        self.context_bdf = context_bdf
+        self.last_types: dict[str, str] = dict(last_types or {})
+
+    def classify(self, line: LogLine) -> KernelEvent | None:
+        prefix = _PREFIX_BDF.search(line.message)
+        bdf, attribution = None, "context"
+        if prefix:
+            bdf, attribution = prefix.group(1).lower(), "prefix"
+        elif line.device_bdf:
+            bdf, attribution = line.device_bdf, "device"
+        if bdf and ("amdgpu" in line.message or attribution == "device"):
+            self.context_bdf = bdf
+        for event_type, pattern in _RULES:
+            match = pattern.search(line.message)
+            if not match:
+                continue
+            if bdf is None:
+                bdf = self.context_bdf
+            detail = _detail(event_type, match)
+            # "GPU Recovery Failed" follows "GPU reset(N) failed" for the same failure.
+            if event_type == "reset_failed" and "n" not in detail and self.last_types.get(bdf or "") == "reset_failed":
+                return None
+            event = KernelEvent(event_type, bdf, line.message.strip(), line.stream, line.ordinal,
+                                attribution if bdf else "none", detail, line.timestamp)
+            if bdf:
+                self.last_types[bdf] = event_type
+            return event
+        return None
+
+
+def _detail(event_type: str, match: re.Match[str]) -> dict[str, Any]:
+    groups = {k: v for k, v in match.groupdict().items() if v is not None}
+    detail: dict[str, Any] = {}
+    if event_type == "mes_timeout":
+        detail["msg"] = groups.get("msg")
+        if "pipe" in groups:
+            detail["mes_pipe"] = int(groups["pipe"])
+    elif event_type == "ring_timeout":
+        detail["ring"] = groups["ring"]
+        detail["soft_recovered"] = "soft" in groups
+    elif event_type == "reset_begin" and "source" in groups:
+        source = int(groups["source"])
+        detail["source"] = source
+        detail["source_name"] = RESET_SOURCES.get(source, "other")
+    elif "n" in groups:
+        detail["n"] = int(groups["n"])
+    elif "ret" in groups:
+        detail["ret"] = int(groups["ret"])
+    return detail

@@ -1,0 +1,434 @@
+"""Power cap and voltage offset: plan (validate against what each card declares), apply through
+LACT or sysfs, verify from sysfs, report wanted vs actual, reconcile on drift and after resets.
+
+Public entry points: :func:`power_status`, :func:`apply_power`, :func:`reconcile_once`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from r9k.ops import sysfs
+from r9k.ops.config import OpsConfig
+from r9k.ops.lact import LactClient, LactError
+from r9k.ops.state import read_card_states, update_card_state
+from r9k.ops.sysfs import Card, NotReady
+
+
+class PlanError(ValueError):
+    """The wanted settings are not valid for the cards on this host; nothing was written."""
+
+
+class BackendError(ValueError):
+    """The chosen backend cannot be used (LACT socket absent or answering errors); nothing written."""
+
+
+@dataclass
+class CardPlan:
+    bdf: str
+    cap_watts: int | None
+    offset_mv: int | None
+
+
+@dataclass
+class CardStatus:
+    bdf: str
+    card: str | None
+    is_r9700: bool
+    managed: bool
+    wanted_cap_watts: int | None
+    actual_cap_watts: float | None
+    wanted_offset_mv: int | None
+    actual_offset_mv: int | None
+    cap_range_watts: tuple[float, float] | None
+    offset_range_mv: tuple[int, int] | None
+    healthy: bool = True
+    unhealthy_reason: str | None = None
+    fenced: bool = False
+    drift: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.drift
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items()}
+        data["ok"] = self.ok
+        for key in ("cap_range_watts", "offset_range_mv"):
+            data[key] = list(data[key]) if data[key] else None
+        return data
+
+
+def _managed_targets(config: OpsConfig, cards: list[Card]) -> list[Card]:
+    """R9700s get the defaults; another amdgpu card only when the config names it."""
+    return [c for c in cards if c.is_r9700 or c.bdf in config.cards]
+
+
+def check_cards_present(config: OpsConfig, cards: list[Card]) -> None:
+    present = {c.bdf for c in cards}
+    missing = [bdf for bdf in config.cards if bdf not in present]
+    if missing:
+        raise PlanError(
+            f"card {', '.join(missing)} in the config is not an amdgpu card on this host "
+            f"(found: {', '.join(sorted(present)) or 'none'})"
+        )
+
+
+def plan_card(config: OpsConfig, card: Card) -> CardPlan:
+    """Wanted settings for one card, refused unless the card declares them valid."""
+    wanted = config.wanted(card.bdf)
+    cap, offset = wanted.power_cap_watts, wanted.voltage_offset_mv
+    problems = []
+    if cap is not None:
+        if card.cap_min_watts is None or card.cap_max_watts is None:
+            problems.append(f"{card.bdf}: the card declares no power cap range (power1_cap_min/max unreadable)")
+        elif not card.cap_min_watts <= cap <= card.cap_max_watts:
+            problems.append(
+                f"{card.bdf}: power_cap_watts {cap} is outside the card's range "
+                f"{card.cap_min_watts:g}-{card.cap_max_watts:g} W"
+            )
+    if offset is not None:
+        rng = card.offset_range_mv
+        if rng is None:
+            problems.append(
+                f"{card.bdf}: voltage_offset_mv {offset} asked but the card declares no VDDGFX_OFFSET range "
+                "(overdrive off? amdgpu.ppfeaturemask needs bit 0x4000)"
+            )
+        elif not rng[0] <= offset <= rng[1]:
+            problems.append(
+                f"{card.bdf}: voltage_offset_mv {offset} is outside the card's range {rng[0]}..{rng[1]} mV"
+            )
+    if problems:
+        raise PlanError("; ".join(problems))
+    return CardPlan(card.bdf, cap, offset)
+
+
+def _matches(card: Card, plan: CardPlan) -> list[str]:
+    drift = []
+    if plan.cap_watts is not None:
+        if card.cap_watts is None:
+            drift.append("power cap unreadable")
+        elif round(card.cap_watts * 1_000_000) != plan.cap_watts * 1_000_000:
+            drift.append(f"power cap {card.cap_watts:g} W, wanted {plan.cap_watts} W")
+    if plan.offset_mv is not None:
+        if card.offset_mv is None:
+            drift.append("voltage offset unreadable")
+        elif card.offset_mv != plan.offset_mv:
+            drift.append(f"voltage offset {card.offset_mv} mV, wanted {plan.offset_mv} mV")
+    return drift
+
+
+def _settle(card: Card, plan: CardPlan, timeout_s: float) -> tuple[Card, list[str]]:
+    """Read back until the card shows the plan or ``timeout_s`` passes (hwmon may lag a write)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        try:
+            card = sysfs.refresh(card)
+            drift = _matches(card, plan)
+        except NotReady as exc:
+            drift = [f"not readable: {exc}"]
+        if not drift or time.monotonic() >= deadline:
+            return card, drift
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def retry_not_ready(action: Callable[[], Any], deadline: float, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """Run ``action`` until it stops raising NotReady or ``deadline`` (monotonic) passes."""
+    delay = 0.05
+    while True:
+        try:
+            return action()
+        except NotReady:
+            if time.monotonic() + delay > deadline:
+                raise
+            sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def _fenced_bdfs(state_dir: str | os.PathLike | None, host_root: str | os.PathLike) -> dict[str, str]:
+    if state_dir is None:
+        return {}
+    boot = sysfs.boot_id(host_root)
+    return {
+        bdf: st.unhealthy_reason or "unhealthy"
+        for bdf, st in read_card_states(state_dir).items()
+        if st.sysfs_fenced(boot)
+    }
+
+
+def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus]) -> None:
+    if state_dir is None:
+        return
+    for status in statuses:
+        if not status.managed or status.fenced:
+            continue
+
+        def change(state, status=status):
+            state.power_ok = status.ok
+            state.power_drift = list(status.drift)
+            state.power_checked_at = time.time()
+
+        update_card_state(state_dir, status.bdf, change)
+
+
+def power_status(
+    config: OpsConfig,
+    host_root: str | os.PathLike = "/",
+    state_dir: str | os.PathLike | None = None,
+    record: bool = False,
+) -> list[CardStatus]:
+    """Wanted vs actual for every amdgpu card (read-only unless ``record`` writes the state dir)."""
+    cards = sysfs.discover_cards(host_root)
+    states = read_card_states(state_dir) if state_dir else {}
+    fenced = _fenced_bdfs(state_dir, host_root)
+    targets = {c.bdf for c in _managed_targets(config, cards)}
+    out = []
+    for card in cards:
+        wanted = config.wanted(card.bdf) if card.bdf in targets else None
+        st = states.get(card.bdf)
+        status = CardStatus(
+            bdf=card.bdf,
+            card=card.card_name,
+            is_r9700=card.is_r9700,
+            managed=wanted is not None,
+            wanted_cap_watts=wanted.power_cap_watts if wanted else None,
+            actual_cap_watts=card.cap_watts,
+            wanted_offset_mv=wanted.voltage_offset_mv if wanted else None,
+            actual_offset_mv=card.offset_mv,
+            cap_range_watts=(card.cap_min_watts, card.cap_max_watts)
+            if card.cap_min_watts is not None and card.cap_max_watts is not None else None,
+            offset_range_mv=card.offset_range_mv,
+            healthy=st.healthy if st else True,
+            unhealthy_reason=st.unhealthy_reason if st else None,
+            fenced=card.bdf in fenced,
+            errors=list(card.errors),
+        )
+        if wanted is not None and not status.fenced:
+            status.drift = _matches(card, CardPlan(card.bdf, wanted.power_cap_watts, wanted.voltage_offset_mv))
+        elif status.fenced:
+            status.drift = [f"fenced (not touched): {status.unhealthy_reason}"]
+        out.append(status)
+    for bdf in config.cards:
+        if bdf not in {c.bdf for c in cards}:
+            out.append(CardStatus(bdf, None, False, True, config.wanted(bdf).power_cap_watts, None,
+                                  config.wanted(bdf).voltage_offset_mv, None, None, None,
+                                  drift=["card not found on this host"]))
+    if record:
+        _record_power(state_dir, out)
+    return out
+
+
+@dataclass
+class Backend:
+    name: str  # "lact" or "sysfs"
+    reason: str
+    client: LactClient | None = None
+    gpu_ids: dict[str, str] = field(default_factory=dict)
+
+
+def choose_backend(config: OpsConfig, override: str | None = None) -> Backend:
+    """auto: LACT when its socket answers, else sysfs (and say why). Raises BackendError."""
+    wanted = override or config.backend
+    if wanted == "sysfs":
+        return Backend("sysfs", "configured")
+    client = LactClient(config.lact_socket)
+    try:
+        client.request("ping")
+        gpu_ids = client.gpu_ids_by_bdf()
+    except LactError as exc:
+        if wanted == "lact":
+            raise BackendError(f"backend lact: {exc}") from None
+        return Backend("sysfs", f"LACT not available ({exc})")
+    return Backend("lact", "configured" if wanted == "lact" else f"LACT answers on {config.lact_socket}",
+                   client, gpu_ids)
+
+
+def _apply_sysfs(card: Card, plan: CardPlan, deadline: float, actions: list[str]) -> Card:
+    def attempt() -> Card:
+        fresh = sysfs.refresh(card)
+        sysfs.check_ready(fresh)
+        if plan.cap_watts is not None and fresh.cap_watts != plan.cap_watts:
+            sysfs.write_cap_watts(fresh, plan.cap_watts)
+            actions.append(f"sysfs power1_cap={plan.cap_watts * 1_000_000}")
+        if plan.offset_mv is not None and fresh.offset_mv != plan.offset_mv:
+            sysfs.write_offset_mv(fresh, plan.offset_mv)
+            actions.append(f"sysfs pp_od_clk_voltage 'vo {plan.offset_mv}' + 'c'")
+        return fresh
+
+    return retry_not_ready(attempt, deadline)
+
+
+def _apply_lact(backend: Backend, card: Card, plan: CardPlan, settle_s: float, actions: list[str]) -> list[str]:
+    """Config round trip: set, read the card back, confirm only when it shows the plan, else revert."""
+    assert backend.client is not None
+    gpu_id = backend.gpu_ids[card.bdf]
+    config = backend.client.get_gpu_config(gpu_id)
+    if plan.cap_watts is not None:
+        config["power_cap"] = float(plan.cap_watts)
+    if plan.offset_mv is not None:
+        config["voltage_offset"] = plan.offset_mv
+    timer = backend.client.set_gpu_config(gpu_id, config)
+    actions.append(f"lact set_gpu_config power_cap={config.get('power_cap')} voltage_offset={config.get('voltage_offset')}")
+    # Read back well inside the daemon's revert window.
+    window = float(timer) / 2 if isinstance(timer, (int, float)) and timer > 0 else 2.5
+    _, drift = _settle(card, plan, min(settle_s, window))
+    if drift:
+        backend.client.revert()
+        actions.append("lact revert (card did not show the wanted settings)")
+    else:
+        backend.client.confirm()
+        actions.append("lact confirm")
+    return drift
+
+
+@dataclass
+class ApplyReport:
+    backend: str
+    backend_reason: str
+    cards: list[CardStatus]
+    recovery: sysfs.RecoveryStatus
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.cards if c.managed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "backend": self.backend, "backend_reason": self.backend_reason,
+                "recovery": self.recovery.to_json(), "cards": [c.to_json() for c in self.cards]}
+
+
+def apply_power(
+    config: OpsConfig,
+    host_root: str | os.PathLike = "/",
+    state_dir: str | os.PathLike | None = None,
+    backend_override: str | None = None,
+    wait_s: float = 30.0,
+    settle_s: float = 2.0,
+    only: set[str] | None = None,
+) -> ApplyReport:
+    """Apply the wanted settings to every managed card (or ``only`` those), then verify from sysfs.
+
+    Raises PlanError/BackendError before writing anything when the input is bad.
+    """
+    deadline = time.monotonic() + wait_s
+    cards = sysfs.discover_cards(host_root)
+    check_cards_present(config, cards)
+    targets = [c for c in _managed_targets(config, cards) if only is None or c.bdf in only]
+    fenced = _fenced_bdfs(state_dir, host_root)
+    backend = choose_backend(config, backend_override)
+    if backend.name == "lact":
+        absent = [c.bdf for c in targets if c.bdf not in backend.gpu_ids]
+        if absent:
+            raise BackendError(f"LACT does not list card {', '.join(absent)} (list_devices)")
+
+    # Wait for every card to be readable (hwmon appears late at boot), then validate all of them
+    # before the first write: bad input must change nothing.
+    ready: dict[str, Card] = {}
+    not_ready: dict[str, str] = {}
+    for card in targets:
+        if card.bdf in fenced:
+            continue
+        try:
+            ready[card.bdf] = retry_not_ready(lambda c=card: _checked(c), deadline)
+        except NotReady as exc:
+            not_ready[card.bdf] = str(exc)
+    plans: dict[str, CardPlan] = {}
+    problems = []
+    for bdf, card in ready.items():
+        try:
+            plans[bdf] = plan_card(config, card)
+        except PlanError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise PlanError("; ".join(problems))
+
+    actions: dict[str, list[str]] = {bdf: [] for bdf in plans}
+    errors: dict[str, str] = dict(not_ready)
+    for bdf, plan in plans.items():
+        try:
+            if backend.name == "lact":
+                _apply_lact(backend, ready[bdf], plan, settle_s, actions[bdf])
+            else:
+                _apply_sysfs(ready[bdf], plan, deadline, actions[bdf])
+        except (NotReady, LactError, OSError) as exc:
+            errors[bdf] = str(exc)
+
+    # Verify every card from sysfs, whatever the backend said.
+    statuses = []
+    for card in targets:
+        plan = plans.get(card.bdf) or CardPlan(card.bdf, config.wanted(card.bdf).power_cap_watts,
+                                               config.wanted(card.bdf).voltage_offset_mv)
+        fresh, drift = (_settle(card, plan, settle_s) if card.bdf in plans else (card, []))
+        if card.bdf in fenced:
+            drift = [f"fenced (not touched): {fenced[card.bdf]}"]
+        if card.bdf in errors:
+            drift = [f"not applied: {errors[card.bdf]}"] + drift
+        statuses.append(CardStatus(
+            bdf=card.bdf, card=card.card_name, is_r9700=card.is_r9700, managed=True,
+            wanted_cap_watts=plan.cap_watts, actual_cap_watts=fresh.cap_watts,
+            wanted_offset_mv=plan.offset_mv, actual_offset_mv=fresh.offset_mv,
+            cap_range_watts=(fresh.cap_min_watts, fresh.cap_max_watts)
+            if fresh.cap_min_watts is not None and fresh.cap_max_watts is not None else None,
+            offset_range_mv=fresh.offset_range_mv, fenced=card.bdf in fenced,
+            drift=drift, errors=list(fresh.errors), actions=actions.get(card.bdf, []),
+        ))
+    _record_power(state_dir, statuses)
+    return ApplyReport(backend.name, backend.reason, statuses, sysfs.recovery_status(host_root))
+
+
+def _checked(card: Card) -> Card:
+    fresh = sysfs.refresh(card)
+    sysfs.check_ready(fresh)
+    if fresh.cap_min_watts is None or fresh.cap_max_watts is None:
+        raise NotReady("power cap range not readable yet")
+    return fresh
+
+
+@dataclass
+class ReconcileState:
+    """What the loop remembers between rounds: reset counts seen per card."""
+
+    resets_seen: dict[str, int] = field(default_factory=dict)
+
+
+def reconcile_once(
+    config: OpsConfig,
+    host_root: str | os.PathLike = "/",
+    state_dir: str | os.PathLike | None = None,
+    memory: ReconcileState | None = None,
+    backend_override: str | None = None,
+    settle_s: float = 2.0,
+) -> tuple[list[CardStatus], list[str]]:
+    """Re-verify; re-apply to cards that drifted or were reset since last round.
+
+    Returns (statuses after the round, BDFs re-applied).
+    """
+    memory = memory or ReconcileState()
+    statuses = power_status(config, host_root, state_dir)
+    states = read_card_states(state_dir) if state_dir else {}
+    redo = set()
+    for status in statuses:
+        if not status.managed or status.fenced or status.card is None:
+            continue
+        resets = 0
+        if status.bdf in states:
+            counts = states[status.bdf].counts
+            resets = counts.get("reset_succeeded", 0) + counts.get("reset_begin", 0)
+        reset_since = resets > memory.resets_seen.get(status.bdf, resets)
+        memory.resets_seen[status.bdf] = resets
+        if status.drift or reset_since:
+            redo.add(status.bdf)
+    if redo:
+        report = apply_power(config, host_root, state_dir, backend_override, wait_s=settle_s,
+                             settle_s=settle_s, only=redo)
+        after = {c.bdf: c for c in report.cards}
+        statuses = [after.get(s.bdf, s) for s in statuses]
+    else:
+        _record_power(state_dir, statuses)
+    return statuses, sorted(redo)
