@@ -1,0 +1,232 @@
+"""Discovery and apply/verify/status/reconcile through sysfs, against realistic fixture trees."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from r9k.cli import main
+from r9k.ops import fixtures
+from r9k.ops.config import parse_config
+from r9k.ops.fixtures import CardSpec, FakeKernel, build_host_tree, read_cap_watts, read_od_offset_mv
+from r9k.ops.power import PlanError, ReconcileState, apply_power, power_status, reconcile_once
+from r9k.ops.state import LastEvent, read_card_state, update_card_state
+from r9k.ops.sysfs import discover_cards, parse_od_table, recovery_status
+
+A, B, C = "0000:03:00.0", "0000:04:00.0", "0000:0a:00.0"
+CONFIG = "backend: sysfs\ndefaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n"
+
+
+def _host(tmp_path, **host_kw):
+    cards = [
+        CardSpec(A),
+        CardSpec(B, power_files=("input",), od_style="inline", cap_max_watts=280, offset_range_mv=(-150, 0)),
+        CardSpec(C, power_files=("average",), cap_watts=225),
+        CardSpec("0000:0b:00.0", device_id=0x73BF),  # another amdgpu card: reported, not managed
+    ]
+    return build_host_tree(tmp_path / "host", cards, fixtures.HostSpec(**host_kw) if host_kw else None)
+
+
+def _cli(tmp_path, host, *args, config=CONFIG):
+    cfg = tmp_path / "ops.yaml"
+    cfg.write_text(config)
+    return CliRunner().invoke(main, ["ops", *args, "--config", str(cfg), "--host-root", str(host),
+                                     "--state-dir", str(tmp_path / "state")])
+
+
+def test_discovery_reads_every_card_by_pci_address(tmp_path):
+    host = _host(tmp_path)
+    (host / "sys/class/drm/card0-DP-1").mkdir()  # connector entries are not cards
+    cards = {c.bdf: c for c in discover_cards(host)}
+    assert sorted(cards) == [A, B, C, "0000:0b:00.0"]
+    assert [cards[b].is_r9700 for b in (A, B, C, "0000:0b:00.0")] == [True, True, True, False]
+    assert (cards[A].cap_min_watts, cards[A].cap_max_watts, cards[A].cap_default_watts) == (150.0, 300.0, 300.0)
+    assert cards[B].cap_max_watts == 280.0 and cards[B].offset_range_mv == (-150, 0)
+    assert cards[C].cap_watts == 225.0
+    assert (cards[A].power_source, cards[B].power_source, cards[C].power_source) == ("average", "input", "average")
+    assert all(c.hwmon_dir is not None and c.hwmon_dir.parent.parent == c.device_dir for c in cards.values())
+    assert cards[A].runtime_status == "active" and cards[A].errors == []
+
+
+def test_pp_od_clk_voltage_parsing_is_tolerant():
+    padded = "OD_SCLK_OFFSET:\n0Mhz\nOD_VDDGFX_OFFSET:\n-50mV\nOD_RANGE:\nSCLK_OFFSET:    -500Mhz       1000Mhz\nVDDGFX_OFFSET:    -200mv          0mv\n"
+    assert parse_od_table(padded).offset_mv == -50 and parse_od_table(padded).offset_range_mv == (-200, 0)
+    inline = "OD_VDDGFX_OFFSET: -42mV\nOD_RANGE:\nVDDGFX_OFFSET: -120MV 0MV\n"
+    assert (parse_od_table(inline).offset_mv, parse_od_table(inline).offset_range_mv) == (-42, (-120, 0))
+    no_od = "OD_SCLK_OFFSET:\n0Mhz\nOD_RANGE:\nSCLK_OFFSET: -500Mhz 1000Mhz\n"
+    assert (parse_od_table(no_od).offset_mv, parse_od_table(no_od).offset_range_mv) == (None, None)
+
+
+def test_apply_through_sysfs_writes_microwatts_and_vo_commit(tmp_path):
+    host = _host(tmp_path)
+    config = CONFIG + 'cards: {"0000:04:00.0": {power_cap_watts: 200, voltage_offset_mv: -30}}\n'
+    with FakeKernel(host) as kernel:
+        result = _cli(tmp_path, host, "apply", "--settle-seconds", "1", "--json", config=config)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["backend"].startswith("sysfs")
+    assert (fixtures.hwmon_dir(host, A) / "power1_cap").read_text() == "210000000\n"
+    assert (read_cap_watts(host, B), read_od_offset_mv(host, B)) == (200.0, -30)
+    assert (read_cap_watts(host, C), read_od_offset_mv(host, C)) == (210.0, -42)
+    assert kernel.commands[A] == ["vo -42", "c"]
+    assert read_cap_watts(host, "0000:0b:00.0") == 300.0  # not an R9700, not named: untouched
+    assert read_card_state(tmp_path / "state", A).power_ok is True
+    # Applying again changes nothing and still verifies.
+    with FakeKernel(host) as kernel:
+        again = _cli(tmp_path, host, "apply", "--settle-seconds", "1", config=config)
+    assert again.exit_code == 0 and kernel.commands == {}
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ('"0000:04:00.0": {power_cap_watts: 290}', "power_cap_watts 290 is outside the card's range 150-280 W"),
+        ('"0000:04:00.0": {voltage_offset_mv: -160}', "voltage_offset_mv -160 is outside the card's range -150..0 mV"),
+        ('"0000:04:00.0": {power_cap_watts: 100}', "outside the card's range 150-280 W"),
+        ('"0000:09:00.0": {power_cap_watts: 200}', "0000:09:00.0 in the config is not an amdgpu card on this host"),
+    ],
+)
+def test_values_the_card_does_not_declare_change_nothing(tmp_path, override, needle):
+    host = _host(tmp_path)
+    result = _cli(tmp_path, host, "apply", config=CONFIG + "cards: {" + override + "}\n")
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "nothing was changed" in result.output
+    assert [read_cap_watts(host, b) for b in (A, B, C)] == [300.0, 300.0, 225.0]
+    assert [read_od_offset_mv(host, b) for b in (A, B, C)] == [0, 0, 0]
+
+
+def test_offset_on_a_card_without_overdrive_is_refused(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B, overdrive=False)])
+    result = _cli(tmp_path, host, "apply")
+    assert result.exit_code == 2
+    assert "0000:04:00.0: voltage_offset_mv -42 asked but the card declares no VDDGFX_OFFSET range" in result.output
+    assert read_cap_watts(host, A) == 300.0
+    # Managing only the cap works without overdrive.
+    with FakeKernel(host):
+        ok = _cli(tmp_path, host, "apply", config="backend: sysfs\ndefaults: {power_cap_watts: 210}\n")
+    assert ok.exit_code == 0 and read_cap_watts(host, B) == 210.0
+
+
+def test_retries_while_suspended_then_applies(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A, runtime_status="suspended")])
+    threading.Timer(0.3, fixtures.set_runtime_status, (host, A, "active")).start()
+    config = parse_config(CONFIG)
+    started = time.monotonic()
+    with FakeKernel(host):
+        report = apply_power(config, host, tmp_path / "state", wait_s=5, settle_s=1)
+    assert report.ok and time.monotonic() - started >= 0.3
+    assert (read_cap_watts(host, A), read_od_offset_mv(host, A)) == (210.0, -42)
+
+
+def test_a_card_that_stays_suspended_is_reported_not_written(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A, runtime_status="suspended"), CardSpec(B)])
+    with FakeKernel(host):
+        result = _cli(tmp_path, host, "apply", "--wait-seconds", "0.3", "--settle-seconds", "1")
+    assert result.exit_code == 1
+    assert "0000:03:00.0" in result.output and "'suspended'" in result.output
+    assert read_cap_watts(host, A) == 300.0 and read_cap_watts(host, B) == 210.0
+
+
+def test_waits_for_a_late_hwmon_node(tmp_path):
+    late = CardSpec(A, hwmon=False)
+    host = build_host_tree(tmp_path / "host", [late])
+    assert discover_cards(host)[0].errors == ["no amdgpu hwmon directory yet"]
+    threading.Timer(0.3, fixtures.add_hwmon, (host, late)).start()
+    with FakeKernel(host):
+        report = apply_power(parse_config(CONFIG), host, None, wait_s=5, settle_s=1)
+    assert report.ok and read_cap_watts(host, A) == 210.0
+
+
+def test_status_reports_drift_after_a_reset_and_reconcile_restores(tmp_path):
+    host = _host(tmp_path)
+    with FakeKernel(host):
+        assert _cli(tmp_path, host, "apply", "--settle-seconds", "1").exit_code == 0
+        assert _cli(tmp_path, host, "status").exit_code == 0
+        fixtures.simulate_reset(host, C)  # the SMU comes back at its 300 W default, no offset
+        status = _cli(tmp_path, host, "status", "--json")
+        assert status.exit_code == 1
+        cards = {c["bdf"]: c for c in json.loads(status.stdout)["cards"]}
+        assert cards[C]["drift"] == ["power cap 300 W, wanted 210 W", "voltage offset 0 mV, wanted -42 mV"]
+        assert cards[A]["ok"] and not cards["0000:0b:00.0"]["managed"]
+        loop = _cli(tmp_path, host, "reconcile", "--interval", "0.05", "--count", "2", "--settle-seconds", "1")
+    assert loop.exit_code == 0, loop.output
+    assert "round 1: re-applied 0000:0a:00.0" in loop.output and "round 2: re-applied none" in loop.output
+    assert (read_cap_watts(host, C), read_od_offset_mv(host, C)) == (210.0, -42)
+
+
+def test_reconcile_reapplies_after_a_reset_event_even_without_visible_drift(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    state = tmp_path / "state"
+    config = parse_config(CONFIG)
+    memory = ReconcileState()
+    with FakeKernel(host) as kernel:
+        _, redone = reconcile_once(config, host, state, memory, settle_s=1)
+        assert redone == [A]
+        _, redone = reconcile_once(config, host, state, memory, settle_s=1)
+        assert redone == []
+
+        def reset(s):
+            s.counts["reset_succeeded"] += 1
+            s.last_event = LastEvent("reset_succeeded", "GPU reset(1) succeeded!", time.time())
+
+        update_card_state(state, A, reset)
+        fixtures.set_od_offset(host, A, 0)
+        statuses, redone = reconcile_once(config, host, state, memory, settle_s=1)
+    assert redone == [A] and statuses[0].ok
+    assert kernel.commands[A] == ["vo -42", "c", "vo -42", "c"]
+
+
+def test_a_fenced_card_is_not_touched(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
+    state = tmp_path / "state"
+    boot = (host / "proc/sys/kernel/random/boot_id").read_text().strip()
+
+    def fence(s):
+        s.healthy, s.unhealthy_reason, s.unhealthy_boot_id = False, "mes_timeout: MES failed", boot
+
+    update_card_state(state, A, fence)
+    with FakeKernel(host):
+        report = apply_power(parse_config(CONFIG), host, state, settle_s=1)
+    by = {c.bdf: c for c in report.cards}
+    assert by[A].fenced and not by[A].ok and read_cap_watts(host, A) == 300.0
+    assert by[B].ok and read_cap_watts(host, B) == 210.0
+    # After a reboot (new boot id) the fence on sysfs access lifts; health stays until cleared.
+    (host / "proc/sys/kernel/random/boot_id").write_text("another-boot\n")
+    with FakeKernel(host):
+        report = apply_power(parse_config(CONFIG), host, state, settle_s=1)
+    assert report.ok and read_cap_watts(host, A) == 210.0
+    assert read_card_state(state, A).healthy is False
+
+
+def test_plan_error_lists_every_problem_before_any_write(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A, cap_max_watts=200), CardSpec(B, offset_range_mv=(-30, 0))])
+    with pytest.raises(PlanError) as info:
+        apply_power(parse_config(CONFIG), host, None)
+    assert "0000:03:00.0: power_cap_watts 210" in str(info.value)
+    assert "0000:04:00.0: voltage_offset_mv -42" in str(info.value)
+    assert read_cap_watts(host, B) == 300.0
+
+
+def test_recovery_status_from_module_parameter_and_cmdline(tmp_path):
+    on = build_host_tree(tmp_path / "on", [CardSpec(A)])
+    assert recovery_status(on).in_effect is False and "amdgpu.gpu_recovery=0" in recovery_status(on).warning
+    off = build_host_tree(tmp_path / "off", [CardSpec(A)], fixtures.HostSpec(
+        gpu_recovery=0, cmdline="BOOT_IMAGE=/vmlinuz ro amdgpu.gpu_recovery=0 amdgpu.runpm=0"))
+    status = recovery_status(off)
+    assert (status.in_effect, status.cmdline_asks_off, status.warning) == (True, True, None)
+
+
+def test_power_status_api_for_other_components(tmp_path):
+    host = _host(tmp_path)
+    statuses = {s.bdf: s for s in power_status(parse_config(CONFIG), host)}
+    assert statuses[C].actual_cap_watts == 225.0 and statuses[C].wanted_cap_watts == 210
+    assert statuses[C].drift[0] == "power cap 225 W, wanted 210 W"
+    assert statuses[A].cap_range_watts == (150.0, 300.0)
+
+
+def test_bad_host_root_is_bad_input(tmp_path):
+    result = _cli(tmp_path, tmp_path / "nowhere", "status")
+    assert result.exit_code == 2 and "no sys/ directory" in result.output
