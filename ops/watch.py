@@ -390,7 +390,8 @@ class Watcher:
             stop.wait(interval_s)
 
 
-def print_event(item: Seen, as_json: bool, out=sys.stdout) -> None:
+def print_event(item: Seen, as_json: bool, out=None) -> None:
+    out = out or sys.stdout
     if as_json:
         print(json.dumps(item.to_json()), file=out, flush=True)
         return
