@@ -275,6 +275,9 @@ class RecoveryStatus:
     def warning(self) -> str | None:
         if self.in_effect:
             return None
+        if self.gpu_recovery_param is None:
+            return ("amdgpu module parameters not found (module not loaded?): cannot tell whether GPU "
+                    "recovery is off; boot with amdgpu.gpu_recovery=0")
         return ("amdgpu GPU recovery is enabled (gpu_recovery="
                 f"{self.gpu_recovery_param}): a hung MES can escalate into a reset that takes the card off "
                 "the bus; boot with amdgpu.gpu_recovery=0")

@@ -230,3 +230,37 @@ def test_power_status_api_for_other_components(tmp_path):
 def test_bad_host_root_is_bad_input(tmp_path):
     result = _cli(tmp_path, tmp_path / "nowhere", "status")
     assert result.exit_code == 2 and "no sys/ directory" in result.output
+
+
+def test_unreadable_cap_range_is_reported_and_nothing_written(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
+    (fixtures.hwmon_dir(host, A) / "power1_cap_max").unlink()
+    with FakeKernel(host):
+        result = _cli(tmp_path, host, "apply", "--wait-seconds", "0.2", "--settle-seconds", "1")
+    assert result.exit_code == 1
+    assert "0000:03:00.0 cap 300/210 W" in result.output and "power cap range not readable yet" in result.output
+    assert read_cap_watts(host, A) == 300.0 and read_cap_watts(host, B) == 210.0
+
+
+def test_config_path_that_cannot_be_read_is_bad_input(tmp_path):
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    result = CliRunner().invoke(main, ["ops", "status", "--config", str(tmp_path), "--host-root", str(host)])
+    assert result.exit_code == 2 and "cannot read config" in result.output
+
+
+def test_retry_backs_off_until_the_card_answers():
+    from r9k.ops.power import retry_not_ready
+    from r9k.ops.sysfs import NotReady
+
+    attempts, sleeps = [], []
+
+    def flaky():
+        attempts.append(1)
+        if len(attempts) < 4:
+            raise NotReady("power1_cap: Operation not permitted")
+        return "written"
+
+    assert retry_not_ready(flaky, time.monotonic() + 10, sleep=sleeps.append) == "written"
+    assert sleeps == [0.05, 0.1, 0.2]
+    with pytest.raises(NotReady):
+        retry_not_ready(lambda: (_ for _ in ()).throw(NotReady("EPERM")), time.monotonic() + 0.01, sleep=sleeps.append)
