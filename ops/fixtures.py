@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 R9700_DEVICE_ID = 0x7551
