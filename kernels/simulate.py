@@ -1,0 +1,182 @@
+"""Multi-step speculative decoding simulations: per-slot (stock) vs one-page, side by side.
+
+Shared by the CPU unit tests, the GPU tests on the H200 and the kernel benchmark. Every step
+draws random candidate counts (1 = a draft-less decode) and random acceptance, so replay
+lengths of 0 (first step after prefill), 1 (bonus only), partial and full all occur.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from r9k.kernels.onepage import (
+    NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
+    replay_accepted_rows)
+
+
+@dataclass
+class SimConfig:
+    heads: GdnHeads
+    num_seqs: int
+    num_spec: int                      # k: S = 1 + k candidate rows at most
+    steps: int = 6
+    state_dtype: torch.dtype = torch.float32
+    input_dtype: torch.dtype = torch.bfloat16
+    layers: int = 1
+    gate: str = "silu"                 # output gate after the core: silu | sigmoid
+    row_map: bool = False              # interleave spec rows with other rows (mixed batch)
+    null_pages: int = 0                # padded sequences pointing at the null page
+    lockstep_copies: bool = False      # all sequences identical (copies in one batch)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lockstep_copies and (self.row_map or self.null_pages):
+            raise ValueError("lockstep_copies runs without a row map or null pages")
+
+
+@dataclass
+class SimStats:
+    steps: int = 0
+    compared_rows: int = 0
+    checkpoint_checks: int = 0
+    replay_hist: Counter = field(default_factory=Counter)   # rows replayed per sequence-step
+    accepted_hist: Counter = field(default_factory=Counter)  # num_accepted per sequence-step
+
+
+def _gated_norm(o: torch.Tensor, z: torch.Tensor, gate: str) -> torch.Tensor:
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6)
+    act = F.silu(z.float()) if gate == "silu" else torch.sigmoid(z.float())
+    return (of * act).to(o.dtype)
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if not torch.equal(a, b):
+        diff = (a.float() - b.float()).abs()
+        raise AssertionError(f"{what}: not bit-identical (max abs diff {diff.max().item():.3e}, "
+                             f"{int((diff > 0).sum())} of {diff.numel()} elements differ)")
+
+
+def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.Tensor], object],
+                   per_slot: Callable | None = None) -> SimStats:
+    """Run cfg.steps verify steps through per-slot and one-page pools, asserting bit-identity of
+    outputs after every step and of the checkpoint against the slot stock would read next.
+
+    make_backend(A_log, dt_bias) -> a GdnBackend; per_slot(backend, pool, rows, n_acc, x, cu)
+    runs the stock step (defaults to backend.per_slot_step).
+    """
+    g = torch.Generator().manual_seed(cfg.seed)
+    h, dev = cfg.heads, cfg.device
+    n, S = cfg.num_seqs, 1 + cfg.num_spec
+    stats = SimStats()
+
+    def rand(*shape, dtype=cfg.input_dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+    layers = []
+    for _ in range(cfg.layers):
+        A_log = (torch.rand(h.num_v_heads, generator=g) * 2).to(dev)
+        # as vLLM builds them: A_log fp32, dt_bias in the model dtype
+        dt_bias = torch.randn(h.num_v_heads, generator=g).to(cfg.input_dtype).to(dev)
+        backend = make_backend(A_log, dt_bias)
+        state_shape = (h.num_v_heads, h.head_k_dim, h.head_v_dim)
+        # per-slot: page 0 null, request i owns slots 1 + i*S .. ; one-page: request i owns page 1+i
+        slot_pool = torch.zeros((1 + n * S, *state_shape), dtype=cfg.state_dtype, device=dev)
+        page_pool = torch.zeros((1 + n, *state_shape), dtype=cfg.state_dtype, device=dev)
+        # recycled pages: garbage records with a live-looking flag that prefill must clear
+        record_pool = rand(1 + n, 2, S, h.record_row_width)
+        flag_pool = torch.randint(1, S + 1, (1 + n, 4), generator=g, dtype=torch.int32).to(dev)
+        flag_pool[:, 1] %= 2
+        layers.append(dict(backend=backend, slot_pool=slot_pool, page_pool=page_pool,
+                           record_pool=record_pool, flag_pool=flag_pool))
+
+    is_null = torch.zeros(n, dtype=torch.bool)
+    if cfg.null_pages:
+        is_null[torch.randperm(n, generator=g)[: cfg.null_pages]] = True
+    pages = torch.where(is_null, NULL_PAGE, torch.arange(1, n + 1)).to(torch.int32).to(dev)
+    slot_rows = torch.stack([torch.arange(S) + 1 + i * S for i in range(n)]).to(torch.int32)
+    slot_rows[is_null] = NULL_PAGE
+    slot_rows = slot_rows.to(dev)
+
+    # "prefill": the same initial state written where each design keeps it
+    for L in layers:
+        init = rand(n, h.num_v_heads, h.head_k_dim, h.head_v_dim, dtype=torch.float32, scale=0.1)
+        if cfg.lockstep_copies:
+            init[:] = init[0]
+        init = init.to(cfg.state_dtype)
+        for i in range(n):
+            if not is_null[i]:
+                L["slot_pool"][int(slot_rows[i, 0])] = init[i]
+                L["page_pool"][int(pages[i])] = init[i]
+        clear_records(L["flag_pool"], pages)
+        L["null_flag"] = L["flag_pool"][NULL_PAGE].clone()
+        L["null_record"] = L["record_pool"][NULL_PAGE].clone()
+
+    num_accepted = torch.ones(n, dtype=torch.int32)        # vLLM's value right after prefill
+    stats.replay_hist[0] += int((~is_null).sum())          # the first step replays nothing
+    for step in range(cfg.steps):
+        lens = torch.randint(1, S + 1, (n,), generator=g)
+        if cfg.lockstep_copies:
+            lens[:] = lens[0]
+        cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+        total = int(cu[-1])
+        extra = int(torch.randint(0, 5, (1,), generator=g)) if cfg.row_map else 0
+        row_map = torch.randperm(total + extra, generator=g)[:total].to(dev) if cfg.row_map else None
+        for L in layers:
+            rows = total + extra
+            x = GdnInputs(q=rand(rows, h.num_k_heads, h.head_k_dim),
+                          k=rand(rows, h.num_k_heads, h.head_k_dim),
+                          v=rand(rows, h.num_v_heads, h.head_v_dim),
+                          a=rand(rows, h.num_v_heads), b=rand(rows, h.num_v_heads))
+            z = rand(rows, h.num_v_heads, h.head_v_dim)
+            if cfg.lockstep_copies:  # every sequence gets the first sequence's rows
+                x = x.rows(torch.arange(int(lens[0])).repeat(n).to(dev))
+                z = z[: int(lens[0])].repeat(n, 1, 1)
+            xs = x.rows(row_map) if row_map is not None else x
+            b = L["backend"]
+            step_fn = per_slot or (lambda be, *a: be.per_slot_step(*a))
+            ref = step_fn(b, L["slot_pool"], slot_rows, num_accepted.to(dev), xs, cu.to(dev))
+            out = onepage_verify_step(b, h, L["page_pool"], L["record_pool"], L["flag_pool"],
+                                      pages, num_accepted.to(dev), x, cu.to(dev), row_map)
+            outs = out.index_select(0, row_map) if row_map is not None else out
+            zs = z.index_select(0, row_map) if row_map is not None else z
+            live = torch.repeat_interleave(~is_null, lens).to(dev)
+            _assert_equal(outs[live], ref[live], f"step {step} outputs")
+            _assert_equal(_gated_norm(outs[live], zs[live], cfg.gate),
+                          _gated_norm(ref[live], zs[live], cfg.gate), f"step {step} gated outputs")
+            if cfg.lockstep_copies and live.all():
+                first = outs[: int(lens[0])]
+                for i in range(1, n):
+                    _assert_equal(outs[int(cu[i]):int(cu[i + 1])], first, f"step {step} copy {i}")
+            stats.compared_rows += int(live.sum())
+        # acceptance for the next step: 1..len (1 = only the bonus token)
+        nxt = torch.stack([torch.randint(1, int(t) + 1, (1,), generator=g)[0] for t in lens])
+        if cfg.lockstep_copies:
+            nxt[:] = nxt[0]
+        num_accepted = nxt.to(torch.int32)
+        for L in layers:
+            # the checkpoint after replay equals the slot stock reads next
+            pp, rp, fp = L["page_pool"].clone(), L["record_pool"].clone(), L["flag_pool"].clone()
+            replayed = replay_accepted_rows(L["backend"], h, pp, rp, fp, pages, num_accepted.to(dev))
+            for i in range(n):
+                if is_null[i]:
+                    continue
+                slot = int(slot_rows[i, int(num_accepted[i]) - 1])
+                _assert_equal(pp[int(pages[i])], L["slot_pool"][slot],
+                              f"step {step} checkpoint of seq {i}")
+                stats.checkpoint_checks += 1
+            for r in replayed[~is_null.to(dev)].tolist():
+                stats.replay_hist[int(r)] += 1
+            _assert_equal(L["flag_pool"][NULL_PAGE], L["null_flag"], f"step {step} null page flag")
+            _assert_equal(L["record_pool"][NULL_PAGE], L["null_record"],
+                          f"step {step} null page record")
+        for v in num_accepted[~is_null].tolist():
+            stats.accepted_hist[int(v)] += 1
+        stats.steps += 1
+    return stats
+
