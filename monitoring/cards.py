@@ -1,0 +1,197 @@
+"""Per-card collectors: sysfs telemetry, wanted vs actual power settings, ops events and health.
+
+Everything is read at scrape time under ``host_root`` (default ``/``) through :mod:`r9k.ops`:
+``power_status`` for wanted vs actual and drift, ``discover_cards`` for the hwmon directory,
+``read_card_states`` for the watcher's event counts and health. Labels: ``bdf`` (PCI address).
+"""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from r9k.monitoring.scrape_errors import ScrapeErrors
+from r9k.ops import sysfs
+from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
+from r9k.ops.power import CardStatus, power_status
+from r9k.ops.state import EVENT_TYPES, CardState, cards_dir, read_card_states
+
+_SENSOR_FALLBACK = {"temp1": "edge", "temp2": "junction", "temp3": "mem"}
+_CLOCK_FALLBACK = {"freq1": "sclk", "freq2": "mclk"}
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _read_number(path: Path) -> float | None:
+    """A sysfs number, or None when the file is absent; other failures raise OSError."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        return float(int(text, 0))
+    except ValueError:
+        raise OSError(errno.EINVAL, f"{path.name}: not a number: {text[:40]!r}") from None
+
+
+def _label(hwmon: Path, prefix: str, fallback: dict[str, str]) -> str:
+    try:
+        return (hwmon / f"{prefix}_label").read_text().strip() or fallback.get(prefix, prefix)
+    except OSError:
+        return fallback.get(prefix, prefix)
+
+
+class CardCollector:
+    """Power, cap (actual and wanted), undervolt, temperatures, clocks, VRAM, busy, drift, health."""
+
+    def __init__(self, errors: ScrapeErrors, host_root: str | os.PathLike = "/",
+                 state_dir: str | os.PathLike | None = None,
+                 config_path: str | os.PathLike = DEFAULT_CONFIG_PATH) -> None:
+        self.errors = errors
+        self.host_root = host_root
+        self.state_dir = state_dir
+        self.config_path = config_path
+
+    def _config(self) -> OpsConfig:
+        try:
+            return load_config(self.config_path)
+        except ConfigError:
+            self.errors.count("ops_config")
+            return OpsConfig()  # nothing wanted: actual values are still exported
+
+    def _states(self) -> dict[str, CardState]:
+        if self.state_dir is None:
+            return {}
+        directory = cards_dir(self.state_dir)
+        if not directory.is_dir():
+            self.errors.count("ops_state")
+            return {}
+        states = read_card_states(self.state_dir)
+        unreadable = sum(1 for _ in directory.glob("*.json")) - len(states)
+        if unreadable > 0:
+            self.errors.count("ops_state", unreadable)
+        return states
+
+    def collect(self) -> Iterator[Metric]:
+        if not sysfs.host_path(self.host_root, "/sys/class/drm").is_dir():
+            self.errors.count("sysfs")
+        config = self._config()
+        try:
+            statuses = power_status(config, self.host_root, None)  # health comes from _states below
+            cards = {c.bdf: c for c in sysfs.discover_cards(self.host_root)}
+        except (OSError, sysfs.NotReady):  # e.g. a device file vanishing mid-read (card off the bus)
+            self.errors.count("sysfs")
+            statuses, cards = [], {}
+        states = self._states()
+        yield from self._power(statuses, cards, states)
+        yield from self._telemetry(cards)
+        yield from self._events(cards, states)
+        recovery = sysfs.recovery_status(self.host_root)
+        off = _gauge("r9k_host_gpu_recovery_disabled",
+                     "1 when amdgpu.gpu_recovery=0 is in effect (a hung MES wedges only its GPU).", [])
+        off.add_metric([], 1.0 if recovery.in_effect else 0.0)
+        yield off
+
+    def _power(self, statuses: list[CardStatus], cards: dict, states: dict[str, CardState]
+               ) -> Iterable[Metric]:
+        info = _gauge("r9k_gpu_info", "Card identity (value 1).",
+                      ["bdf", "card", "device_id", "unique_id", "model"])
+        power = _gauge("r9k_gpu_power_watts", "Package power (power1_average, else power1_input).", ["bdf"])
+        cap = _gauge("r9k_gpu_power_cap_watts", "Power cap the card enforces (power1_cap).", ["bdf"])
+        cap_default = _gauge("r9k_gpu_power_cap_default_watts", "Card default power cap.", ["bdf"])
+        cap_wanted = _gauge("r9k_gpu_power_cap_wanted_watts", "Power cap the ops config wants.", ["bdf"])
+        offset = _gauge("r9k_gpu_voltage_offset_volts", "VDDGFX offset in effect (negative: undervolt).",
+                        ["bdf"])
+        offset_wanted = _gauge("r9k_gpu_voltage_offset_wanted_volts",
+                               "VDDGFX offset the ops config wants.", ["bdf"])
+        drift = _gauge("r9k_gpu_config_drift",
+                       "1 when the card's cap or offset differs from the ops config (0 when fenced).", ["bdf"])
+        unhealthy = _gauge("r9k_gpu_unhealthy", "1 when ops fenced the card after a fault.", ["bdf"])
+        for status in statuses:
+            bdf = status.bdf
+            card = cards.get(bdf)
+            if card is not None:
+                self.errors.count("sysfs", len(card.errors))
+                info.add_metric([bdf, card.card_name,
+                                 f"0x{card.device_id:04x}" if card.device_id is not None else "",
+                                 _unique_id(card.device_dir), "R9700" if card.is_r9700 else "amdgpu"], 1.0)
+                if card.power_watts is not None:
+                    power.add_metric([bdf], card.power_watts)
+                if card.cap_default_watts is not None:
+                    cap_default.add_metric([bdf], card.cap_default_watts)
+            if status.actual_cap_watts is not None:
+                cap.add_metric([bdf], status.actual_cap_watts)
+            if status.actual_offset_mv is not None:
+                offset.add_metric([bdf], status.actual_offset_mv / 1000.0)
+            if status.wanted_cap_watts is not None:
+                cap_wanted.add_metric([bdf], float(status.wanted_cap_watts))
+            if status.wanted_offset_mv is not None:
+                offset_wanted.add_metric([bdf], status.wanted_offset_mv / 1000.0)
+            st = states.get(bdf)
+            fenced = st is not None and st.sysfs_fenced(sysfs.boot_id(self.host_root))
+            # A fenced card is not reconciled on purpose; GpuUnhealthy pages for it instead.
+            drift.add_metric([bdf], 1.0 if status.managed and status.drift and not fenced else 0.0)
+            unhealthy.add_metric([bdf], 0.0 if st is None or st.healthy else 1.0)
+        for bdf, st in states.items():
+            if bdf not in {s.bdf for s in statuses}:  # a card that left the bus keeps its health
+                unhealthy.add_metric([bdf], 0.0 if st.healthy else 1.0)
+        return [info, power, cap, cap_default, cap_wanted, offset, offset_wanted, drift, unhealthy]
+
+    def _telemetry(self, cards: dict) -> Iterable[Metric]:
+        temp = _gauge("r9k_gpu_temperature_celsius", "Temperature by sensor (edge, junction, mem).",
+                      ["bdf", "sensor"])
+        vddgfx = _gauge("r9k_gpu_vddgfx_volts", "Graphics core voltage (in0_input).", ["bdf"])
+        clock = _gauge("r9k_gpu_clock_hertz", "Clock by domain (sclk, mclk).", ["bdf", "clock"])
+        used = _gauge("r9k_gpu_vram_used_bytes", "VRAM in use (mem_info_vram_used).", ["bdf"])
+        total = _gauge("r9k_gpu_vram_total_bytes", "VRAM size (mem_info_vram_total).", ["bdf"])
+        busy = _gauge("r9k_gpu_busy_ratio", "GPU busy share 0-1 (gpu_busy_percent / 100).", ["bdf"])
+        for bdf, card in cards.items():
+            reads = [(used, card.device_dir / "mem_info_vram_used", 1.0, []),
+                     (total, card.device_dir / "mem_info_vram_total", 1.0, []),
+                     (busy, card.device_dir / "gpu_busy_percent", 0.01, [])]
+            hw = card.hwmon_dir
+            if hw is not None:
+                for path in sorted(hw.glob("temp*_input")):
+                    prefix = path.name.removesuffix("_input")
+                    reads.append((temp, path, 0.001, [_label(hw, prefix, _SENSOR_FALLBACK)]))
+                for path in sorted(hw.glob("freq*_input")):
+                    prefix = path.name.removesuffix("_input")
+                    reads.append((clock, path, 1.0, [_label(hw, prefix, _CLOCK_FALLBACK)]))
+                reads.append((vddgfx, hw / "in0_input", 0.001, []))
+            for family, path, scale, extra in reads:
+                try:
+                    value = _read_number(path)
+                except OSError:
+                    self.errors.count("sysfs")
+                    continue
+                if value is None:
+                    self.errors.count("sysfs")
+                else:
+                    family.add_metric([bdf, *extra], value * scale)
+        return [temp, vddgfx, clock, used, total, busy]
+
+    def _events(self, cards: dict, states: dict[str, CardState]) -> Iterable[Metric]:
+        events = CounterMetricFamily("r9k_gpu_events", "Kernel-log events counted by the ops watcher.",
+                                     labels=["bdf", "event"])
+        last = _gauge("r9k_gpu_last_event_timestamp_seconds", "When the watcher recorded the last event.",
+                      ["bdf"])
+        # Every known card is exported at 0 per event type, so increase() sees its first fault.
+        for bdf in sorted(set(cards) | set(states)):
+            st = states.get(bdf)
+            for event in EVENT_TYPES:
+                events.add_metric([bdf, event], float(st.counts.get(event, 0)) if st else 0.0)
+            if st is not None and st.last_event is not None:
+                last.add_metric([bdf], st.last_event.time)
+        return [events, last]
+
+
+def _unique_id(device_dir: Path) -> str:
+    try:
+        return (device_dir / "unique_id").read_text().strip()
+    except OSError:
+        return ""

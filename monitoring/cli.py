@@ -1,0 +1,95 @@
+"""`r9k exporter`: the Prometheus exporter of cards (sysfs + ops) and replicas (vLLM + capacity).
+
+Exit codes: 0 ok (or stopped by SIGTERM/SIGINT), 2 bad input.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import click
+
+from r9k.cli import BadInput
+from r9k.ops.config import DEFAULT_CONFIG_PATH
+from r9k.ops.state import DEFAULT_STATE_DIR
+
+DEFAULT_PORT = 9700
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="HTTP port (0: any free port).")
+@click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--host-root", default="/", show_default=True, envvar="R9K_HOST_ROOT",
+              help="Resolve /sys and /proc under this root.")
+@click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, envvar="R9K_OPS_STATE_DIR",
+              help="Ops state directory (event counts and health per card).")
+@click.option("--config", "config_path", default=DEFAULT_CONFIG_PATH, show_default=True,
+              envvar="R9K_OPS_CONFIG", help="Ops config with the wanted power cap and offset.")
+@click.option("--replica", "replica_specs", multiple=True, metavar="URL[,key=value...]",
+              help="A vLLM replica to scrape; keys: name, model, model_config, tp, num_spec, page_mode, "
+                   "platform, max_model_len, metrics_path, cards (BDFs joined by '|'). Repeatable.")
+@click.option("--replica-file", type=click.Path(dir_okay=False, path_type=Path),
+              help='JSON file of replicas in the fleet status format {"replicas": [...]}.')
+@click.option("--fleet", "fleet_url", metavar="URL",
+              help="Fleet status URL returning {\"replicas\": [...]} (replica list and states).")
+@click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True,
+              help="Seconds to wait for one replica or the fleet status.")
+@click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
+def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path: str,
+             replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
+             timeout_s: float, once: bool, as_json: bool) -> None:
+    """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
+    from r9k.monitoring.exporter import build_collector, build_registry, render, serve
+    from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, load_replica_file, parse_replica_spec
+
+    if not 0 <= port <= 65535:
+        raise BadInput(f"--port {port}: expected 0-65535")
+    if not (Path(host_root) / "sys").is_dir():
+        raise BadInput(f"--host-root {host_root}: no sys/ directory under it (expected / or a host tree)")
+    if timeout_s <= 0:
+        raise BadInput(f"--timeout {timeout_s}: expected seconds > 0")
+    if fleet_url is not None and not fleet_url.startswith(("http://", "https://")):
+        raise BadInput(f"--fleet {fleet_url!r}: expected an http(s):// URL of the fleet status")
+    if as_json and not once:
+        raise BadInput("--json reports one collection: use it with --once")
+    replicas: list[ReplicaDescription] = []
+    try:
+        replicas += [parse_replica_spec(s) for s in replica_specs]
+        if replica_file is not None:
+            replicas += load_replica_file(replica_file)
+    except ReplicaSpecError as exc:
+        raise BadInput(str(exc)) from None
+    names = [r.name for r in replicas]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise BadInput(f"replica name {', '.join(dupes)} given twice; expected unique names (add name=...)")
+
+    collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s)
+    registry = build_registry(collector)
+    if once:
+        if as_json:
+            click.echo(json.dumps({"samples": samples_json(registry)}, indent=1))
+        else:
+            click.echo(render(registry), nl=False)
+        return
+    try:
+        server, _ = serve(registry, port, listen)
+    except OSError as exc:
+        raise BadInput(f"--listen {listen} --port {port}: cannot listen ({exc.strerror}); "
+                       "expected a free port on a local address") from None
+    bound = server.server_address[1]
+    click.echo(f"r9k exporter: http://{listen}:{bound}/metrics (host root {host_root}, "
+               f"{len(replicas)} replicas{', fleet ' + fleet_url if fleet_url else ''})")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+
+
+def samples_json(registry) -> list[dict]:
+    return [{"name": s.name, "labels": s.labels, "value": s.value}
+            for family in registry.collect() for s in family.samples]

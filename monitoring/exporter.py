@@ -1,0 +1,65 @@
+"""The exporter: one registry of collect-on-scrape collectors, served over HTTP.
+
+``build_collector(...)`` gives the composite collector (cards, replicas, scrape errors last so a
+scrape's own failures show in that scrape); ``serve(...)`` starts prometheus-client's HTTP server.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from r9k.monitoring.cards import CardCollector
+from r9k.monitoring.replicas import DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
+from r9k.monitoring.scrape_errors import ScrapeErrors
+from r9k.ops.config import DEFAULT_CONFIG_PATH
+from r9k.ops.state import DEFAULT_STATE_DIR
+
+
+class _Collector(Protocol):
+    def collect(self) -> Iterator[Metric]: ...
+
+
+class R9kCollector:
+    def __init__(self, parts: dict[str, _Collector], errors: ScrapeErrors) -> None:
+        self.parts = parts
+        self.errors = errors
+
+    def collect(self) -> Iterator[Metric]:
+        duration = GaugeMetricFamily("r9k_exporter_collect_seconds", "Time spent collecting, by collector.",
+                                     labels=["collector"])
+        for name, part in self.parts.items():
+            started = time.monotonic()
+            yield from list(part.collect())
+            duration.add_metric([name], time.monotonic() - started)
+        yield duration
+        yield from self.errors.collect()
+
+
+def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.PathLike | None = DEFAULT_STATE_DIR,
+                    config_path: str | os.PathLike = DEFAULT_CONFIG_PATH,
+                    replicas: list[ReplicaDescription] | None = None, fleet_url: str | None = None,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> R9kCollector:
+    errors = ScrapeErrors()
+    return R9kCollector({
+        "cards": CardCollector(errors, host_root, state_dir, config_path),
+        "replicas": ReplicaCollector(errors, replicas, fleet_url, timeout_s),
+    }, errors)
+
+
+def build_registry(collector: R9kCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> str:
+    return generate_latest(registry).decode()
+
+
+def serve(registry: CollectorRegistry, port: int, listen: str = "0.0.0.0"):
+    """Start the HTTP server in a daemon thread; returns (server, thread). Port 0 picks a free one."""
+    return start_http_server(port, addr=listen, registry=registry)

@@ -1,0 +1,397 @@
+"""Per-replica collector: vLLM's /metrics plus the capacity module's pinned split and capacity.
+
+A replica is described by :class:`ReplicaDescription` (the typed interface the fleet serves at
+its status URL as :class:`FleetStatus`, or given as ``--replica URL[,key=value...]``). The page
+layout used for the pinned split comes, in order, from the replica's own ``r9k_plugin_info``
+gauge (labels :data:`PLUGIN_INFO_LABELS`), else from the capacity module applied to the model's
+config.json (description, else the ``root`` that vLLM's ``/v1/models`` reports when it is a local
+directory). Labels: ``replica`` and ``model``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+from urllib.parse import urlsplit
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from r9k import capacity
+from r9k.monitoring.scrape_errors import ScrapeErrors
+
+PAGE_MODES = ("stock", "onepage")
+REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
+PINNED_KINDS = ("gdn", "attention")
+# What the plugin exposes on a replica's /metrics (value 1):
+# r9k_plugin_info{page_mode="onepage", num_gdn_groups="2", num_attention_groups="1",
+#                 gdn_pages_per_request="1", ...}
+PLUGIN_INFO_METRIC = "r9k_plugin_info"
+PLUGIN_INFO_LABELS = ("page_mode", "num_gdn_groups", "num_attention_groups", "gdn_pages_per_request")
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class ReplicaDescription(BaseModel):
+    """One vLLM replica as monitoring needs it; the fleet entry point serves a list of these."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
+
+    name: str = Field(min_length=1)          # label `replica`; unique in the fleet
+    url: str                                  # base URL of the replica's HTTP server
+    metrics_path: str = "/metrics"
+    model: str | None = None                  # label `model`; default: vLLM's `model_name` label
+    model_config_path: str | None = Field(    # config.json (or its directory) readable here
+        default=None, validation_alias=AliasChoices("model_config_path", "model_config"))
+    tp: int = Field(default=1, ge=1)
+    num_spec: int = Field(default=0, ge=0)    # speculative tokens per step (0: none)
+    page_mode: Literal["stock", "onepage"] | None = Field(
+        default=None, validation_alias=AliasChoices("page_mode", "mode"))  # None: stock unless the plugin says
+    platform: Literal["gpu", "cpu"] = "gpu"   # attention block alignment (capacity module)
+    max_model_len: int | None = Field(default=None, ge=1)  # None: ask the replica's /v1/models
+    state: Literal["loading", "ready", "draining", "unhealthy"] | None = None  # from the fleet
+    cards: list[str] = Field(default_factory=list)  # PCI addresses the replica runs on
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"expected an http(s)://host:port URL, got {value!r}")
+        return value.rstrip("/")
+
+
+class FleetStatus(BaseModel):
+    """The JSON document at the fleet's status URL (``--fleet URL``): ``{"replicas": [...]}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    replicas: list[ReplicaDescription]
+
+
+class ReplicaSpecError(ValueError):
+    """A --replica value that cannot be used; the message says what was expected."""
+
+
+_SPEC_KEYS = {"name", "model", "model_config", "tp", "num_spec", "page_mode", "platform",
+              "max_model_len", "metrics_path", "cards"}
+
+
+def parse_replica_spec(spec: str) -> ReplicaDescription:
+    """``URL[,key=value...]``, keys: name, model, model_config, tp, num_spec, page_mode, platform,
+    max_model_len, metrics_path, cards (PCI addresses joined by ``|``)."""
+    url, *pairs = [p.strip() for p in spec.split(",")]
+    data: dict[str, Any] = {"url": url}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in _SPEC_KEYS:
+            raise ReplicaSpecError(
+                f"--replica {spec!r}: {pair!r} is not key=value with a key among "
+                f"{', '.join(sorted(_SPEC_KEYS))}")
+        data[key] = [c for c in value.split("|") if c] if key == "cards" else value
+    data.setdefault("name", urlsplit(url).netloc or url)
+    try:
+        return ReplicaDescription.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "value"
+        raise ReplicaSpecError(f"--replica {spec!r}: {where}: {err['msg']}") from None
+
+
+def _get(url: str, timeout_s: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http only)
+        return response.read()
+
+
+@dataclass
+class VllmMetrics:
+    """The figures monitoring takes from one replica's /metrics text."""
+
+    model_name: str | None = None
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage_ratio: float | None = None
+    preemptions: float | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+    plugin: dict[str, str] | None = None
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    try:
+        return int(labels.get(key, ""))
+    except ValueError:
+        return None  # vLLM writes 'None' before the engine has sized its pool
+
+
+def parse_vllm_metrics(text: str) -> VllmMetrics:
+    """Sum over engines for request counts, the fullest engine for KV usage."""
+    out = VllmMetrics()
+
+    def add(current: float | None, value: float) -> float:
+        return value if current is None else current + value
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if out.model_name is None and labels.get("model_name"):
+                out.model_name = labels["model_name"]
+            if name == "vllm:num_requests_running":
+                out.running = add(out.running, value)
+            elif name == "vllm:num_requests_waiting":
+                out.waiting = add(out.waiting, value)
+            elif name == "vllm:kv_cache_usage_perc":
+                out.kv_usage_ratio = value if out.kv_usage_ratio is None else max(out.kv_usage_ratio, value)
+            elif name == "vllm:num_preemptions_total":
+                out.preemptions = add(out.preemptions, value)
+            elif name == "vllm:cache_config_info" and out.num_blocks is None:
+                out.num_blocks = _int_label(labels, "num_gpu_blocks")
+                out.block_size = _int_label(labels, "block_size")
+            elif name == PLUGIN_INFO_METRIC and out.plugin is None:
+                out.plugin = dict(labels)
+    return out
+
+
+@dataclass
+class Layout:
+    page_mode: str
+    num_gdn_groups: int
+    num_attention_groups: int
+    gdn_pages_per_request: int
+    source: str  # "plugin" or "capacity"
+
+
+@dataclass
+class ReplicaReading:
+    desc: ReplicaDescription
+    up: bool
+    model: str
+    metrics: VllmMetrics = field(default_factory=VllmMetrics)
+    page_mode: str = "stock"
+    layout: Layout | None = None
+    pinned: dict[str, float] | None = None
+    capacity_tokens: dict[str, int] | None = None
+
+
+class ReplicaCollector:
+    """Scrapes every replica (in parallel, with a timeout) each time Prometheus scrapes us."""
+
+    def __init__(self, errors: ScrapeErrors, replicas: list[ReplicaDescription] | None = None,
+                 fleet_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.errors = errors
+        self.static = list(replicas or [])
+        self.fleet_url = fleet_url
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._last_fleet: list[ReplicaDescription] = []
+        self._models: dict[str, dict[str, Any]] = {}   # url -> /v1/models entry (stable per engine)
+        self._shapes: dict[str, capacity.HybridModelShape] = {}
+        self._last_model: dict[str, str] = {}         # replica -> model label, kept while it is down
+
+    def descriptions(self) -> list[ReplicaDescription]:
+        by_name = {d.name: d for d in self.static}
+        if self.fleet_url:
+            try:
+                status = FleetStatus.model_validate(json.loads(_get(self.fleet_url, self.timeout_s)))
+                fleet = status.replicas
+                with self._lock:
+                    self._last_fleet = fleet
+            except (OSError, ValueError):  # unreachable, not JSON, or not the documented shape
+                self.errors.count("fleet")
+                with self._lock:  # keep scraping what we knew; its state is unknown now
+                    fleet = [d.model_copy(update={"state": None}) for d in self._last_fleet]
+            by_name.update({d.name: d for d in fleet})
+        return list(by_name.values())
+
+    def collect(self) -> Iterator[Metric]:
+        descs = self.descriptions()
+        readings: list[ReplicaReading] = []
+        if descs:
+            with ThreadPoolExecutor(max_workers=min(8, len(descs))) as pool:
+                readings = list(pool.map(self.read_replica, descs))
+        yield from self._families(readings)
+
+    # -- one replica -----------------------------------------------------------------------------
+
+    def read_replica(self, desc: ReplicaDescription) -> ReplicaReading:
+        try:
+            text = _get(desc.url + desc.metrics_path, self.timeout_s).decode("utf-8", "replace")
+            metrics = parse_vllm_metrics(text)
+        except (OSError, ValueError):
+            self.errors.count("replica")
+            with self._lock:
+                model = desc.model or self._last_model.get(desc.name, "")
+            return ReplicaReading(desc, False, model, page_mode=desc.page_mode or "stock")
+        model = desc.model or metrics.model_name or ""
+        with self._lock:
+            self._last_model[desc.name] = model
+        reading = ReplicaReading(desc, True, model, metrics)
+        plugin = metrics.plugin or {}
+        reading.page_mode = plugin.get("page_mode") if plugin.get("page_mode") in PAGE_MODES \
+            else (desc.page_mode or "stock")
+        reading.layout = self._plugin_layout(plugin, reading.page_mode)
+        need_shape = reading.layout is None or metrics.num_blocks
+        shape = self._shape(desc) if need_shape else None
+        if reading.layout is None and shape is not None:
+            reading.layout = self._capacity_layout(shape, desc, reading.page_mode)
+        if reading.layout is not None and metrics.num_blocks and metrics.running is not None:
+            lay = reading.layout
+            reading.pinned = capacity.pinned_fraction(
+                int(metrics.running), num_blocks=metrics.num_blocks, num_gdn_groups=lay.num_gdn_groups,
+                num_attention_groups=lay.num_attention_groups,
+                gdn_pages_per_request=lay.gdn_pages_per_request)
+        if shape is not None and metrics.num_blocks:
+            reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks)
+        return reading
+
+    def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
+        if not plugin:
+            return None
+        try:
+            return Layout(page_mode, int(plugin["num_gdn_groups"]), int(plugin["num_attention_groups"]),
+                          int(plugin["gdn_pages_per_request"]), "plugin")
+        except (KeyError, ValueError):
+            self.errors.count("replica")  # the plugin's gauge lacks a label we document
+            return None
+
+    def _model_entry(self, desc: ReplicaDescription) -> dict[str, Any] | None:
+        with self._lock:
+            cached = self._models.get(desc.url)
+        if cached is not None:
+            return cached
+        try:
+            data = json.loads(_get(desc.url + "/v1/models", self.timeout_s))
+            entry = data["data"][0]
+            if not isinstance(entry, dict):
+                raise ValueError("model entry is not an object")
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            self.errors.count("replica")
+            return None
+        with self._lock:
+            self._models[desc.url] = entry
+        return entry
+
+    def _shape(self, desc: ReplicaDescription) -> capacity.HybridModelShape | None:
+        path = desc.model_config_path
+        if path is None:
+            entry = self._model_entry(desc)
+            root = entry.get("root") if entry else None
+            if not isinstance(root, str) or not os.path.isdir(root):
+                return None  # a hub id or another host's path: the layout needs the plugin's gauge
+            path = root
+        with self._lock:
+            shape = self._shapes.get(path)
+        if shape is None:
+            try:
+                shape = capacity.HybridModelShape.from_path(path)
+            except capacity.CapacityInputError:
+                self.errors.count("model_config")
+                return None
+            with self._lock:
+                self._shapes[path] = shape
+        return shape
+
+    def _max_model_len(self, desc: ReplicaDescription) -> int | None:
+        if desc.max_model_len is not None:
+            return desc.max_model_len
+        entry = self._model_entry(desc)
+        value = entry.get("max_model_len") if entry else None
+        return value if isinstance(value, int) and value > 0 else None
+
+    def _capacity_layout(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
+                         page_mode: str) -> Layout | None:
+        try:
+            capacity.validate(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=1,
+                              max_model_len=1, platform=desc.platform, state_dtype=None, running=0)
+        except capacity.CapacityInputError:
+            self.errors.count("model_config")
+            return None
+        # Group counts and pages per request do not depend on memory or length.
+        pool = capacity.plan_pool(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=0,
+                                  max_model_len=1, platform=desc.platform,
+                                  onepage=page_mode == "onepage", running=0)
+        return Layout(page_mode, pool.num_gdn_groups, pool.num_attention_groups,
+                      pool.gdn_pages_per_request, "capacity")
+
+    def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
+                         page_mode: str, num_blocks: int) -> dict[str, int] | None:
+        max_len = self._max_model_len(desc)
+        if max_len is None:
+            return None
+        try:
+            result = capacity.live_plan(shape, num_blocks=num_blocks, tp=desc.tp, num_spec=desc.num_spec,
+                                        onepage=page_mode == "onepage", max_model_len=max_len,
+                                        platform=desc.platform)
+        except capacity.CapacityInputError:
+            self.errors.count("model_config")
+            return None
+        return {"stock": result.stock.tokens, "onepage": result.onepage.tokens}
+
+    # -- families --------------------------------------------------------------------------------
+
+    def _families(self, readings: list[ReplicaReading]) -> Iterator[Metric]:
+        rm = ["replica", "model"]
+
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=rm + (extra or []))
+
+        up = gauge("r9k_replica_up", "1 when the replica's /metrics answered this scrape.")
+        info = gauge("r9k_replica_info", "Replica page mode and layout source (value 1).",
+                     ["page_mode", "tp", "num_spec", "layout_source"])
+        cards = GaugeMetricFamily("r9k_replica_card_info", "Cards a replica runs on (value 1).",
+                                  labels=["replica", "bdf"])
+        state = gauge("r9k_replica_state", "Fleet state, one-hot (loading, ready, draining, unhealthy).",
+                      ["state"])
+        running = gauge("r9k_replica_requests_running", "Requests running (vllm:num_requests_running).")
+        waiting = gauge("r9k_replica_requests_waiting", "Requests waiting (vllm:num_requests_waiting).")
+        preempt = CounterMetricFamily("r9k_replica_preemptions", "Preemptions (vllm:num_preemptions_total).",
+                                      labels=rm)
+        usage = gauge("r9k_kv_usage_ratio", "Share of the KV pool in use, 0-1 (vllm:kv_cache_usage_perc).")
+        blocks = gauge("r9k_kv_pool_blocks", "Blocks in the replica's KV pool (num_gpu_blocks).")
+        block_size = gauge("r9k_kv_block_size_tokens", "Tokens per attention block.")
+        pinned = gauge("r9k_kv_pinned_ratio",
+                       "Share of the pool pinned by running requests before any context, by kind "
+                       "(gdn state pages, attention); sum over kind for the total.", ["kind"])
+        cap_tokens = gauge("r9k_kv_capacity_tokens",
+                           "KV cache tokens the replica's pool holds, by page mode (capacity module).",
+                           ["page_mode"])
+        for r in readings:
+            labels = [r.desc.name, r.model]
+            up.add_metric(labels, 1.0 if r.up else 0.0)
+            info.add_metric(labels + [r.page_mode, str(r.desc.tp), str(r.desc.num_spec),
+                                      r.layout.source if r.layout else "none"], 1.0)
+            for bdf in r.desc.cards:
+                cards.add_metric([r.desc.name, bdf], 1.0)
+            if r.desc.state is not None:
+                for s in REPLICA_STATES:
+                    state.add_metric(labels + [s], 1.0 if s == r.desc.state else 0.0)
+            m = r.metrics
+            for family, value in ((running, m.running), (waiting, m.waiting), (usage, m.kv_usage_ratio),
+                                  (preempt, m.preemptions), (blocks, m.num_blocks),
+                                  (block_size, m.block_size)):
+                if value is not None:
+                    family.add_metric(labels, float(value))
+            if r.pinned is not None:
+                for kind in PINNED_KINDS:
+                    pinned.add_metric(labels + [kind], r.pinned[kind])
+            if r.capacity_tokens is not None:
+                for mode in PAGE_MODES:
+                    cap_tokens.add_metric(labels + [mode], float(r.capacity_tokens[mode]))
+        yield from (up, info, cards, state, running, waiting, preempt, usage, blocks, block_size,
+                    pinned, cap_tokens)
+
+
+def load_replica_file(path: str | os.PathLike) -> list[ReplicaDescription]:
+    """A JSON file in the fleet status format (``{"replicas": [...]}``)."""
+    try:
+        return FleetStatus.model_validate(json.loads(Path(path).read_text())).replicas
+    except FileNotFoundError:
+        raise ReplicaSpecError(f"{path}: no such file; expected JSON {{\"replicas\": [...]}}") from None
+    except (ValueError, ValidationError) as exc:
+        raise ReplicaSpecError(f"{path}: expected JSON {{\"replicas\": [...]}} ({str(exc).splitlines()[0]})") from None
