@@ -132,3 +132,47 @@ class FakeFleet(_Server):
         if path == "/status" and self.document is not None:
             return json.dumps(self.document).encode(), "application/json"
         return None
+
+
+# -- a whole host for exporter tests: fixture sysfs tree, ops config, ops state written by the watcher
+
+CARD_A, CARD_B = "0000:03:00.0", "0000:04:00.0"
+OPS_CONFIG = "defaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n"
+
+
+def build_monitored_host(base) -> tuple[Any, Any, Any]:
+    """(host_root, state_dir, config_path): card A at the wanted 210 W / -42 mV, card B left at 225 W
+    and hot; the ops watcher has recorded a reset of B (fenced, then reset_succeeded)."""
+    from pathlib import Path
+
+    from r9k.ops.fixtures import CardSpec, build_host_tree
+
+    base = Path(base)
+    root = build_host_tree(base / "host", [
+        CardSpec(CARD_A, cap_watts=210, voltage_offset_mv=-42, power_draw_watts=180.0,
+                 vram_used_bytes=8 * 1024**3, temps_millic=(61000, 97500, 70000)),
+        CardSpec(CARD_B, cap_watts=225, voltage_offset_mv=-42, power_draw_watts=224.0,
+                 power_files=("input",), temps_millic=(80000, 104000, 90000)),
+    ])
+    config = base / "ops.yaml"
+    config.write_text(OPS_CONFIG)
+    state = base / "state"
+    record_kernel_log(root, state, base / "kern-1.log", [
+        f"[  100.000001] amdgpu {CARD_B}: amdgpu: GPU reset begin!. Source:  3",
+        f"[  101.000001] amdgpu {CARD_B}: amdgpu: GPU reset(1) succeeded!",
+    ])
+    return root, state, config
+
+
+def record_kernel_log(host_root, state_dir, log_path, lines: list[str]) -> None:
+    """Feed dmesg lines through the real ops watcher into the state dir (counts, health)."""
+    from pathlib import Path
+
+    from r9k.ops.watch import Watcher, open_source
+
+    Path(log_path).write_text("".join(line + "\n" for line in lines))
+    source = open_source(str(log_path), host_root, state_dir, follow=False)
+    try:
+        Watcher(source, state_dir, host_root).poll(final=True)
+    finally:
+        source.close()

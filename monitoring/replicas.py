@@ -101,7 +101,7 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "value"
-        raise ReplicaSpecError(f"--replica {spec!r}: {where}: {err['msg']}") from None
+        raise ReplicaSpecError(f"--replica {spec!r}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def _get(url: str, timeout_s: float) -> bytes:

@@ -1,0 +1,284 @@
+"""Exporter collectors against fixture host trees, ops state written by the real watcher, and
+fake replicas / fleet served over loopback HTTP: values, units, labels, counted failures."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from r9k import capacity
+from r9k.cli import main
+from r9k.monitoring.exporter import build_collector, build_registry, render, serve
+from r9k.monitoring.fixtures import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
+                                     record_kernel_log)
+from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, parse_replica_spec
+from r9k.ops.fixtures import device_dir, hwmon_dir
+from r9k.ops.state import EVENT_TYPES
+from r9k.tiny_model import build_config
+
+
+def scrape(registry) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for family in text_string_to_metric_families(render(registry)):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def val(samples, name, **labels):
+    return samples[(name, frozenset(labels.items()))]
+
+
+def names(samples) -> set[str]:
+    return {n for n, _ in samples}
+
+
+@pytest.fixture
+def host(tmp_path):
+    return build_monitored_host(tmp_path)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    path = tmp_path / "tiny-model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(build_config()))
+    return path
+
+
+def dead_url() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    return f"http://127.0.0.1:{port}"
+
+
+def test_card_metrics_in_base_units(host):
+    root, state, config = host
+    (device_dir(root, CARD_A) / "gpu_busy_percent").write_text("73\n")
+    s = scrape(build_registry(build_collector(root, state, config)))
+    assert val(s, "r9k_gpu_power_watts", bdf=CARD_A) == 180.0
+    assert val(s, "r9k_gpu_power_watts", bdf=CARD_B) == 224.0  # only power1_input on B
+    assert val(s, "r9k_gpu_power_cap_watts", bdf=CARD_A) == 210.0
+    assert val(s, "r9k_gpu_power_cap_watts", bdf=CARD_B) == 225.0
+    assert val(s, "r9k_gpu_power_cap_wanted_watts", bdf=CARD_B) == 210.0
+    assert val(s, "r9k_gpu_power_cap_default_watts", bdf=CARD_A) == 300.0
+    assert val(s, "r9k_gpu_voltage_offset_volts", bdf=CARD_A) == pytest.approx(-0.042)
+    assert val(s, "r9k_gpu_voltage_offset_wanted_volts", bdf=CARD_A) == pytest.approx(-0.042)
+    assert val(s, "r9k_gpu_config_drift", bdf=CARD_A) == 0.0
+    assert val(s, "r9k_gpu_config_drift", bdf=CARD_B) == 1.0
+    assert val(s, "r9k_gpu_temperature_celsius", bdf=CARD_A, sensor="junction") == 97.5
+    assert val(s, "r9k_gpu_temperature_celsius", bdf=CARD_B, sensor="mem") == 90.0
+    assert val(s, "r9k_gpu_vram_used_bytes", bdf=CARD_A) == 8 * 1024**3
+    assert val(s, "r9k_gpu_vram_total_bytes", bdf=CARD_A) == 32 * 1024**3
+    assert val(s, "r9k_gpu_busy_ratio", bdf=CARD_A) == pytest.approx(0.73)
+    assert val(s, "r9k_gpu_vddgfx_volts", bdf=CARD_A) == pytest.approx(0.85)
+    assert val(s, "r9k_gpu_clock_hertz", bdf=CARD_A, clock="sclk") == 1.2e9
+    assert val(s, "r9k_host_gpu_recovery_disabled") == 0.0  # fixture default: gpu_recovery=-1
+    assert all(val(s, "r9k_scrape_errors_total", source=src) == 0 for src in ("sysfs", "ops_config", "ops_state"))
+
+
+def test_events_and_health_come_from_the_ops_watcher_state(host, tmp_path):
+    root, state, config = host
+    s = scrape(build_registry(build_collector(root, state, config)))
+    # Every card and event type is exported from the start (so increase() sees a first fault).
+    for bdf in (CARD_A, CARD_B):
+        assert {e for (n, labels) in s if n == "r9k_gpu_events_total" and ("bdf", bdf) in labels
+                for k, e in labels if k == "event"} == set(EVENT_TYPES)
+    assert val(s, "r9k_gpu_events_total", bdf=CARD_B, event="reset_begin") == 1.0
+    assert val(s, "r9k_gpu_events_total", bdf=CARD_A, event="mes_timeout") == 0.0
+    assert val(s, "r9k_gpu_unhealthy", bdf=CARD_B) == 1.0
+    assert val(s, "r9k_gpu_unhealthy", bdf=CARD_A) == 0.0
+
+    # A MES timeout on A: counted, A fenced. A's cap then drifts, but a fenced card reports no
+    # drift (ops leaves it alone on purpose; GpuUnhealthy pages instead). B's reset succeeded,
+    # so B is reconciled again and its drift still shows.
+    record_kernel_log(root, state, tmp_path / "kern-2.log", [
+        f"[  200.000001] amdgpu {CARD_A}: amdgpu: MES failed to respond to msg=REMOVE_QUEUE",
+        f"[  200.000002] amdgpu {CARD_A}: amdgpu: MES failed to respond to msg=SUSPEND",
+    ])
+    (hwmon_dir(root, CARD_A) / "power1_cap").write_text("300000000\n")
+    s = scrape(build_registry(build_collector(root, state, config)))
+    assert val(s, "r9k_gpu_events_total", bdf=CARD_A, event="mes_timeout") == 2.0
+    assert val(s, "r9k_gpu_unhealthy", bdf=CARD_A) == 1.0
+    assert val(s, "r9k_gpu_config_drift", bdf=CARD_A) == 0.0
+    assert val(s, "r9k_gpu_config_drift", bdf=CARD_B) == 1.0
+    assert val(s, "r9k_gpu_last_event_timestamp_seconds", bdf=CARD_A) > 0
+
+
+def test_missing_and_unreadable_sources_are_counted_not_fatal(host, tmp_path):
+    root, state, _ = host
+    collector = build_collector(root, tmp_path / "no-state", tmp_path / "no-ops.yaml",
+                                replicas=[ReplicaDescription(name="gone", url=dead_url())], timeout_s=0.5)
+    registry = build_registry(collector)
+    s = scrape(registry)
+    assert val(s, "r9k_scrape_errors_total", source="ops_config") == 1
+    assert val(s, "r9k_scrape_errors_total", source="ops_state") == 1
+    assert val(s, "r9k_scrape_errors_total", source="replica") == 1
+    assert val(s, "r9k_replica_up", replica="gone", model="") == 0.0
+    assert "r9k_gpu_power_cap_wanted_watts" not in names(s)  # nothing wanted without a config
+    assert val(s, "r9k_gpu_power_cap_watts", bdf=CARD_A) == 210.0  # actual values still exported
+
+    (device_dir(root, CARD_A) / "mem_info_vram_used").unlink()
+    junction = hwmon_dir(root, CARD_B) / "temp2_input"
+    junction.unlink()
+    junction.mkdir()  # reading it fails with an OSError, as a card in reset does with EPERM
+    s = scrape(registry)
+    assert val(s, "r9k_scrape_errors_total", source="sysfs") == 2
+    assert ("r9k_gpu_vram_used_bytes", frozenset({("bdf", CARD_A)})) not in s
+    assert val(s, "r9k_gpu_vram_used_bytes", bdf=CARD_B) == 512 * 1024**2
+    assert val(s, "r9k_scrape_errors_total", source="ops_config") == 2  # counted per scrape
+
+    # A corrupt card state file is counted; the other card's state is still read.
+    shutil.copytree(state, tmp_path / "state2")
+    (tmp_path / "state2/cards/0000:05:00.0.json").write_text("{not json")
+    s = scrape(build_registry(build_collector(root, tmp_path / "state2", tmp_path / "no-ops.yaml")))
+    assert val(s, "r9k_scrape_errors_total", source="ops_state") == 1
+    assert val(s, "r9k_gpu_unhealthy", bdf=CARD_B) == 1.0
+
+    # No sysfs at all (exporter on a host without GPUs): counted, scrape still answers.
+    empty = tmp_path / "empty-host"
+    (empty / "sys").mkdir(parents=True)
+    s = scrape(build_registry(build_collector(empty, None, tmp_path / "no-ops.yaml")))
+    assert val(s, "r9k_scrape_errors_total", source="sysfs") == 1
+    assert not [n for n in names(s) if n.startswith("r9k_gpu_")]
+
+
+def expected_layout(page_mode: str, num_spec: int):
+    shape = capacity.HybridModelShape.from_config(build_config())
+    return capacity.plan_pool(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=0, max_model_len=1,
+                              platform="cpu", onepage=page_mode == "onepage", running=0)
+
+
+@pytest.mark.parametrize("page_mode, gdn, attention", [
+    # tiny model: 3 GDN layers, 1 attention + 1 MTP attention layer -> groups of 2: 2 GDN groups,
+    # 1 attention group. k = 2: stock pins 1 + k = 3 GDN pages per group, one-page pins 1.
+    ("onepage", 3 * 2 * 1 / 100, 3 * 1 / 100),
+    ("stock", 3 * 2 * 3 / 100, 3 * 1 / 100),
+])
+def test_pinned_ratio_matches_the_capacity_module(tiny_model_dir, page_mode, gdn, attention):
+    with FakeReplica(model_name="tiny", running=3, waiting=2, kv_usage_ratio=0.42, preemptions=5,
+                     num_gpu_blocks=100, block_size=128, max_model_len=4096) as replica:
+        desc = parse_replica_spec(f"{replica.url},name=r1,model_config={tiny_model_dir},num_spec=2,"
+                                  f"page_mode={page_mode},platform=cpu")
+        s = scrape(build_registry(build_collector("/nonexistent", None, "/nonexistent", [desc])))
+    lay = expected_layout(page_mode, 2)
+    predicted = capacity.pinned_fraction(3, num_blocks=100, num_gdn_groups=lay.num_gdn_groups,
+                                         num_attention_groups=lay.num_attention_groups,
+                                         gdn_pages_per_request=lay.gdn_pages_per_request)
+    r = dict(replica="r1", model="tiny")
+    assert val(s, "r9k_kv_pinned_ratio", kind="gdn", **r) == pytest.approx(predicted["gdn"]) == pytest.approx(gdn)
+    assert val(s, "r9k_kv_pinned_ratio", kind="attention", **r) == pytest.approx(attention)
+    assert val(s, "r9k_kv_pool_blocks", **r) == 100
+    assert val(s, "r9k_kv_block_size_tokens", **r) == 128
+    assert val(s, "r9k_kv_usage_ratio", **r) == 0.42
+    assert val(s, "r9k_replica_requests_running", **r) == 3
+    assert val(s, "r9k_replica_requests_waiting", **r) == 2
+    assert val(s, "r9k_replica_preemptions_total", **r) == 5
+    assert val(s, "r9k_replica_up", **r) == 1.0
+    assert val(s, "r9k_replica_info", page_mode=page_mode, tp="1", num_spec="2", layout_source="capacity", **r) == 1
+    live = capacity.live_plan(capacity.HybridModelShape.from_config(build_config()), num_blocks=100, tp=1,
+                              num_spec=2, onepage=page_mode == "onepage", max_model_len=4096, platform="cpu")
+    assert getattr(live, page_mode).num_blocks == 100  # the recovered memory holds exactly the engine's pool
+    assert val(s, "r9k_kv_capacity_tokens", page_mode="stock", **r) == live.stock.tokens
+    assert val(s, "r9k_kv_capacity_tokens", page_mode="onepage", **r) == live.onepage.tokens
+    assert live.onepage.tokens > live.stock.tokens
+
+
+def test_layout_from_plugin_info_and_from_v1_models_root(tiny_model_dir):
+    plugin = {"page_mode": "onepage", "num_gdn_groups": 4, "num_attention_groups": 2, "gdn_pages_per_request": 1}
+    with FakeReplica(model_name="m", running=5, num_gpu_blocks=200, plugin_info=plugin) as with_plugin, \
+         FakeReplica(model_name="tiny", root=str(tiny_model_dir), max_model_len=2048, running=4,
+                     num_gpu_blocks=80) as plain:
+        descs = [parse_replica_spec(f"{with_plugin.url},name=p"), parse_replica_spec(f"{plain.url},name=q")]
+        s = scrape(build_registry(build_collector("/nonexistent", None, "/nonexistent", descs)))
+        assert "/v1/models" in plain.requests
+    # The plugin's gauge wins over everything: 5 running x 4 GDN groups x 1 page / 200.
+    assert val(s, "r9k_kv_pinned_ratio", replica="p", model="m", kind="gdn") == pytest.approx(0.1)
+    assert val(s, "r9k_kv_pinned_ratio", replica="p", model="m", kind="attention") == pytest.approx(0.05)
+    assert val(s, "r9k_replica_info", replica="p", model="m", page_mode="onepage", tp="1", num_spec="0",
+               layout_source="plugin") == 1
+    # No plugin, no description: config.json from /v1/models' root, stock pages, k = 0.
+    lay = expected_layout("stock", 0)
+    assert val(s, "r9k_kv_pinned_ratio", replica="q", model="tiny", kind="gdn") == pytest.approx(
+        4 * lay.num_gdn_groups * 1 / 80)
+    live = capacity.live_plan(capacity.HybridModelShape.from_config(build_config()), num_blocks=80, tp=1,
+                              num_spec=0, onepage=False, max_model_len=2048, platform="gpu")
+    assert val(s, "r9k_kv_capacity_tokens", replica="q", model="tiny", page_mode="stock") == live.stock.tokens
+
+
+def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
+    with FakeReplica(model_name="tiny", running=1, num_gpu_blocks=64) as replica:
+        fleet_doc = {"replicas": [
+            {"name": "r1", "url": replica.url, "model_config": str(tiny_model_dir), "tp": 1, "num_spec": 2,
+             "mode": "onepage", "platform": "cpu", "max_model_len": 4096, "state": "ready",
+             "cards": [CARD_A, CARD_B], "future_field": "ignored"},
+            {"name": "r2", "url": dead_url(), "model": "tiny", "state": "unhealthy"},
+        ]}
+        with FakeFleet(fleet_doc) as fleet:
+            collector = build_collector("/nonexistent", None, "/nonexistent", fleet_url=fleet.url + "/status",
+                                        timeout_s=0.5)
+            registry = build_registry(collector)
+            s = scrape(registry)
+            assert val(s, "r9k_replica_state", replica="r1", model="tiny", state="ready") == 1
+            assert val(s, "r9k_replica_state", replica="r1", model="tiny", state="draining") == 0
+            assert val(s, "r9k_replica_state", replica="r2", model="tiny", state="unhealthy") == 1
+            assert val(s, "r9k_replica_up", replica="r2", model="tiny") == 0
+            assert val(s, "r9k_replica_card_info", replica="r1", bdf=CARD_B) == 1
+            assert val(s, "r9k_kv_pinned_ratio", replica="r1", model="tiny", kind="gdn") == pytest.approx(2 / 64)
+            fleet.document = None  # the fleet entry point stops answering
+            s = scrape(registry)
+    assert val(s, "r9k_scrape_errors_total", source="fleet") == 1
+    assert val(s, "r9k_replica_up", replica="r1", model="tiny") == 1  # still scraped from the last list
+    assert not [k for k in s if k[0] == "r9k_replica_state"]  # state unknown now: not exported
+
+
+def test_http_server_serves_the_registry(host):
+    root, state, config = host
+    server, _ = serve(build_registry(build_collector(root, state, config)), 0, "127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        server.shutdown()
+    assert f'r9k_gpu_power_cap_watts{{bdf="{CARD_B}"}} 225.0' in text
+
+
+def test_replica_spec_parsing():
+    d = parse_replica_spec("http://h:8000/,tp=2,num_spec=3,page_mode=onepage,cards=0000:03:00.0|0000:04:00.0")
+    assert (d.name, d.url, d.tp, d.num_spec, d.page_mode, d.cards) == (
+        "h:8000", "http://h:8000", 2, 3, "onepage", ["0000:03:00.0", "0000:04:00.0"])
+    for bad, needle in (("h:8000", "http(s)://host:port"), ("http://h:1,tp=0", "tp"),
+                        ("http://h:1,colour=red", "key=value"), ("http://h:1,page_mode=two", "page_mode")):
+        with pytest.raises(ReplicaSpecError, match=re.escape(needle)):
+            parse_replica_spec(bad)
+
+
+def test_cli_once_json_and_bad_input(host, tmp_path):
+    root, state, config = host
+    runner = CliRunner()
+    result = runner.invoke(main, ["exporter", "--once", "--json", "--host-root", str(root),
+                                  "--state-dir", str(state), "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    samples = json.loads(result.output)["samples"]
+    assert {"name": "r9k_gpu_power_cap_wanted_watts", "labels": {"bdf": CARD_A}, "value": 210.0} in samples
+    result = runner.invoke(main, ["exporter", "--once", "--host-root", str(root), "--state-dir", str(state),
+                                  "--config", str(config)])
+    assert result.exit_code == 0 and f'r9k_gpu_config_drift{{bdf="{CARD_B}"}} 1.0' in result.output
+    for args, needle in ((["--host-root", str(tmp_path / "nowhere")], "no sys/ directory"),
+                         (["--replica", "localhost:8000"], "http(s)://host:port"),
+                         (["--fleet", "fleet:8000"], "--fleet"),
+                         (["--port", "70000"], "--port 70000"),
+                         (["--json"], "--once"),
+                         (["--replica", "http://a:1", "--replica", "http://a:1"], "given twice")):
+        result = runner.invoke(main, ["exporter", *args])
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, result.output)
