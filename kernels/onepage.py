@@ -7,7 +7,7 @@ keeps one page per request holding
 - the checkpoint: the state after the last accepted token (the stock SSM state tensor),
 - a record: for each of the S = 1 + k candidates of the previous step, the post-conv k and v rows
   and the a and b gate inputs, in two slots (a step reads one and writes the other),
-- a flag word: [live row count, live slot, spare, spare].
+- a flag word: [live row count, live slot, done counter (GPU kernel), spare].
 
 A verify step per request: replay the first `num_accepted` rows of the live record onto the
 checkpoint (store once, rounded to the state dtype as stock stores slots), run the new candidates
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 NULL_PAGE = 0
 FLAG_COUNT, FLAG_SLOT = 0, 1
+FLAG_DONE = 2  # the fused GPU kernel's per-page done counter (0 between launches)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ def clear_records(flag_pool: torch.Tensor, pages: torch.Tensor) -> None:
     live = pages[pages != NULL_PAGE].long()
     if live.numel():
         flag_pool[live, FLAG_COUNT] = 0
+        flag_pool[live, FLAG_DONE] = 0
 
 
 def replay_accepted_rows(backend: GdnBackend, heads: GdnHeads, state_pool: torch.Tensor,
@@ -119,11 +121,12 @@ def replay_accepted_rows(backend: GdnBackend, heads: GdnHeads, state_pool: torch
     if todo.numel() == 0:
         return n_replay
     sel_pages = pages_l[todo]
+    dev = pages_l.device
     slots = flag_pool[sel_pages, FLAG_SLOT].long()
     counts = n_replay[todo].long()
     # gather the first `count` rows of each live slot, sequence after sequence
-    row_seq = torch.repeat_interleave(torch.arange(todo.numel()), counts)
-    row_pos = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+    row_seq = torch.repeat_interleave(torch.arange(todo.numel(), device=dev), counts)
+    row_pos = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
         torch.cumsum(counts, 0) - counts, counts)
     rows = record_pool[sel_pages[row_seq], slots[row_seq], row_pos]
     k, v, a, b = unpack_record_rows(rows, heads)
@@ -141,8 +144,9 @@ def write_record(record_pool: torch.Tensor, flag_pool: torch.Tensor, pages: torc
     if not bool(keep.any()):
         return
     new_slot = 1 - flag_pool[pages_l, FLAG_SLOT].long()
-    seq_of_row = torch.repeat_interleave(torch.arange(pages_l.numel()), lens)
-    pos_of_row = torch.arange(seq_of_row.numel()) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    dev = pages_l.device
+    seq_of_row = torch.repeat_interleave(torch.arange(pages_l.numel(), device=dev), lens)
+    pos_of_row = torch.arange(seq_of_row.numel(), device=dev) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
     row_keep = keep[seq_of_row]
     packed = pack_record_rows(x).to(record_pool.dtype)
     record_pool[pages_l[seq_of_row][row_keep], new_slot[seq_of_row][row_keep],

@@ -63,12 +63,15 @@ def _assert_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.Tensor], object],
-                   per_slot: Callable | None = None) -> SimStats:
+                   per_slot: Callable | None = None,
+                   onepage_step: Callable | None = None) -> SimStats:
     """Run cfg.steps verify steps through per-slot and one-page pools, asserting bit-identity of
     outputs after every step and of the checkpoint against the slot stock would read next.
 
     make_backend(A_log, dt_bias) -> a GdnBackend; per_slot(backend, pool, rows, n_acc, x, cu)
-    runs the stock step (defaults to backend.per_slot_step).
+    runs the stock step (defaults to backend.per_slot_step); onepage_step takes
+    onepage_verify_step's arguments and runs the one-page step (defaults to it, e.g. a fused
+    GPU kernel instead).
     """
     g = torch.Generator().manual_seed(cfg.seed)
     h, dev = cfg.heads, cfg.device
@@ -141,8 +144,9 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
             b = L["backend"]
             step_fn = per_slot or (lambda be, *a: be.per_slot_step(*a))
             ref = step_fn(b, L["slot_pool"], slot_rows, num_accepted.to(dev), xs, cu.to(dev))
-            out = onepage_verify_step(b, h, L["page_pool"], L["record_pool"], L["flag_pool"],
-                                      pages, num_accepted.to(dev), x, cu.to(dev), row_map)
+            step_onepage = onepage_step or onepage_verify_step
+            out = step_onepage(b, h, L["page_pool"], L["record_pool"], L["flag_pool"],
+                               pages, num_accepted.to(dev), x, cu.to(dev), row_map)
             outs = out.index_select(0, row_map) if row_map is not None else out
             zs = z.index_select(0, row_map) if row_map is not None else z
             live = torch.repeat_interleave(~is_null, lens).to(dev)

@@ -1,0 +1,267 @@
+"""The fused one-page GDN verify step: one Triton kernel per (sequence, value head, V block).
+
+Per program, with the state tile [BV, K] in registers:
+1. replay the first min(num_accepted, live_count) rows of the page's live record slot onto the
+   checkpoint, store it once (rounded to the state dtype) and continue from the rounded value,
+   exactly as stock re-reads a stored slot;
+2. run this step's candidate rows from there, storing their outputs and no state;
+3. copy the candidate rows (post-conv k | v | a | b) into the other record slot;
+4. the last program of the page to finish (a done counter in flag word 2) sets the live count
+   and flips the live slot, so no program reads a flag another one already rewrote.
+
+Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
+keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
+line by line below) and its compile options (none passed, as the stock launcher passes none).
+Replay rows skip q and the output, which never feed the state. Portable Triton only (no vendor
+intrinsics): it builds for CUDA and for ROCm RDNA4 (gfx1201, wave32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from r9k.kernels.onepage import FLAG_COUNT, FLAG_DONE, FLAG_SLOT
+
+# the stock launcher's tiling and launch parameters; changing any of them changes the last bits
+STOCK_BV_MAX = 32
+STOCK_NUM_WARPS = 4
+STOCK_NUM_STAGES = 3
+# flag word columns, as constexprs the kernel may read
+_F_COUNT = tl.constexpr(FLAG_COUNT)
+_F_SLOT = tl.constexpr(FLAG_SLOT)
+_F_DONE = tl.constexpr(FLAG_DONE)
+
+
+@triton.jit(do_not_specialize=["N"])
+def onepage_gdn_step_kernel(
+    A_log,
+    a,
+    b,
+    dt_bias,
+    beta,
+    threshold,
+    q,
+    k,
+    v,
+    o,
+    h,
+    record,
+    flag,
+    cu_seqlens,
+    state_indices,
+    num_accepted,
+    row_map,
+    scale,
+    N,
+    stride_record_page,
+    stride_flag_page,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    S: tl.constexpr,
+    stride_state_page: tl.constexpr,
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+    HAS_ROW_MAP: tl.constexpr,
+    DO_REPLAY: tl.constexpr,
+    DO_VERIFY: tl.constexpr,
+    DO_RECORD: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    W: tl.constexpr = H * K + HV * V + 2 * HV
+    NV: tl.constexpr = (V + BV - 1) // BV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+
+    page = tl.load(state_indices + i_n).to(tl.int64)
+    if page <= 0:
+        # null page (padding): nothing to replay or record; deterministic zero outputs
+        for i_t in range(0, T):
+            if HAS_ROW_MAP:
+                row = tl.load(row_map + bos + i_t).to(tl.int64)
+            else:
+                row = bos + i_t
+            p_o = o + (row * HV + i_hv) * V + o_v
+            tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=mask_v)
+        return
+
+    p_flag = flag + page * stride_flag_page
+    live_count = tl.load(p_flag + _F_COUNT)
+    live_slot = tl.load(p_flag + _F_SLOT) & 1
+    n_replay = tl.minimum(tl.load(num_accepted + i_n).to(tl.int32), live_count)
+    n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
+
+    p_A_log = A_log + i_hv
+    p_dt_bias = dt_bias + i_hv
+    p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h = tl.zeros([BV, BK], dtype=tl.float32)
+    b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+
+    # 1. replay: the stock per-token state update, without q and the output
+    if DO_REPLAY:
+        p_rec = record + page * stride_record_page + live_slot.to(tl.int64) * (S * W)
+        p_k = p_rec + i_h * K + o_k
+        p_v = p_rec + H * K + i_hv * V + o_v
+        p_a = p_rec + H * K + HV * V + i_hv
+        p_b = p_a + HV
+        for i_t in range(0, n_replay):
+            b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
+            b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
+            b_b = tl.load(p_b).to(tl.float32)
+
+            x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+            softplus_x = tl.where(
+                beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
+            )
+            b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+
+            b_beta = tl.sigmoid(b_b.to(tl.float32))
+
+            if USE_QK_L2NORM_IN_KERNEL:
+                b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+            b_h *= tl.exp(b_g)
+            b_v -= tl.sum(b_h * b_k[None, :], 1)
+            b_v *= b_beta
+            b_h += b_v[:, None] * b_k[None, :]
+
+            p_k += W
+            p_v += W
+            p_a += W
+            p_b += W
+        if n_replay > 0:
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+        # continue from the stored (rounded) checkpoint, as stock re-reads a stored slot
+        b_h = b_h.to(p_h.dtype.element_ty).to(tl.float32)
+
+    # 2. verify: the stock per-token body, outputs only
+    if DO_VERIFY:
+        for i_t in range(0, T):
+            if HAS_ROW_MAP:
+                row = tl.load(row_map + bos + i_t).to(tl.int64)
+            else:
+                row = bos + i_t
+            p_q = q + (row * H + i_h) * K + o_k
+            p_k = k + (row * H + i_h) * K + o_k
+            p_v = v + (row * HV + i_hv) * V + o_v
+            p_a = a + row * HV + i_hv
+            p_b = b + row * HV + i_hv
+            p_o = o + (row * HV + i_hv) * V + o_v
+
+            b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
+            b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
+            b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
+            b_b = tl.load(p_b).to(tl.float32)
+
+            x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+            softplus_x = tl.where(
+                beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
+            )
+            b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+
+            b_beta = tl.sigmoid(b_b.to(tl.float32))
+
+            if USE_QK_L2NORM_IN_KERNEL:
+                b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+                b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+            b_q = b_q * scale
+            b_h *= tl.exp(b_g)
+            b_v -= tl.sum(b_h * b_k[None, :], 1)
+            b_v *= b_beta
+            b_h += b_v[:, None] * b_k[None, :]
+            b_o = tl.sum(b_h * b_q[None, :], 1)
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+    # 3. record this step's rows in the other slot; 4. the last program flips the flag
+    if DO_RECORD:
+        if T > 0:
+            new_slot = 1 - live_slot
+            n_rows = tl.minimum(T, S)
+            p_w = record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
+            for i_t in range(0, n_rows):
+                if HAS_ROW_MAP:
+                    row = tl.load(row_map + bos + i_t).to(tl.int64)
+                else:
+                    row = bos + i_t
+                p_row = p_w + i_t * W
+                b_vr = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
+                tl.store(p_row + H * K + i_hv * V + o_v,
+                         b_vr.to(p_row.dtype.element_ty), mask=mask_v)
+                if i_v == 0:
+                    tl.store(p_row + H * K + HV * V + i_hv,
+                             tl.load(a + row * HV + i_hv).to(p_row.dtype.element_ty))
+                    tl.store(p_row + H * K + HV * V + HV + i_hv,
+                             tl.load(b + row * HV + i_hv).to(p_row.dtype.element_ty))
+                    if i_hv % (HV // H) == 0:
+                        b_kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
+                        tl.store(p_row + i_h * K + o_k,
+                                 b_kr.to(p_row.dtype.element_ty), mask=mask_k)
+            # every program of the page read the flag before counting in (acq_rel atomics)
+            done = tl.atomic_add(p_flag + _F_DONE, 1)
+            if done == NV * HV - 1:
+                tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
+                tl.store(p_flag + _F_SLOT, new_slot)
+                tl.store(p_flag + _F_DONE, 0)
+
+
+def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
+    if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (heads_v, V, K):
+        raise ValueError(f"ssm_state must be [slots, HV={heads_v}, V={V}, K={K}], "
+                         f"got {tuple(ssm_state.shape)}")
+    if ssm_state[0].stride() != (V * K, K, 1):
+        raise ValueError("ssm_state pages must be contiguous inside ([HV, V, K] row-major)")
+    width = heads_k * K + heads_v * V + 2 * heads_v
+    if record.dim() != 4 or record.shape[1] != 2 or record.shape[3] != width:
+        raise ValueError(f"record must be [slots, 2, S, W={width}], got {tuple(record.shape)}")
+    if record[0].stride() != (record.shape[2] * width, width, 1):
+        raise ValueError("record pages must be contiguous inside ([2, S, W] row-major)")
+    if flag.dim() != 2 or flag.shape[1] < 4 or flag.dtype != torch.int32 or flag.stride(1) != 1:
+        raise ValueError(f"flag must be int32 [slots, 4], got {flag.dtype} {tuple(flag.shape)}")
+    return int(record.shape[2])
+
+
+def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
+                       state_indices, num_accepted, cu_seqlens, row_map=None,
+                       use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
+                       out=None) -> torch.Tensor:
+    """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
+    and rows of null pages are zero). `stages` drops stages for measurements only."""
+    T_all, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    N = state_indices.numel()
+    S = _check_layout(ssm_state, record, flag, H, HV, K, V)
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
+    if BK != K:
+        raise ValueError(f"head_k_dim {K} must be a power of two (the stock kernel's BK = K)")
+    if out is None:
+        alloc = torch.zeros if row_map is not None else torch.empty
+        out = alloc((T_all, HV, V), dtype=v.dtype, device=v.device)
+    if N == 0:
+        return out
+    grid = (triton.cdiv(V, BV), N * HV)
+    onepage_gdn_step_kernel[grid](
+        A_log, a.contiguous(), b.contiguous(), dt_bias, 1.0, 20.0,
+        q.contiguous(), k.contiguous(), v.contiguous(), out, ssm_state, record, flag,
+        cu_seqlens, state_indices, num_accepted, row_map if row_map is not None else cu_seqlens,
+        K ** -0.5, N, record.stride(0), flag.stride(0),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S,
+        stride_state_page=ssm_state.stride(0),
+        USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+        HAS_ROW_MAP=row_map is not None,
+        DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
+        DO_RECORD="record" in stages,
+        num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES,
+    )
+    return out

@@ -1,0 +1,55 @@
+"""Triton hooks for `simulate.run_simulation`: stock per-slot vs one-page composed vs fused.
+
+Shared by the GPU tests (H200), the CPU interpreter tests (TRITON_INTERPRET=1) and the kernel
+benchmark. The simulation's backend is the composed one (its `per_slot_step` is vLLM's stock
+call); `fused_step_checked` runs the fused kernel on the simulation's pools and the composed
+step on copies, and asserts after every step that outputs, checkpoints, records and flags are
+torch.equal, so each step checks fused == composed == stock.
+"""
+from __future__ import annotations
+
+import torch
+
+from r9k.kernels.onepage import NULL_PAGE, GdnHeads, GdnInputs, onepage_verify_step
+from r9k.kernels.simulate import _assert_equal
+from r9k.kernels.triton_composed import StockTritonComposed
+from r9k.kernels.triton_fused import onepage_fused_step
+
+
+def composed_backend(A_log: torch.Tensor, dt_bias: torch.Tensor) -> StockTritonComposed:
+    return StockTritonComposed(A_log, dt_bias)
+
+
+class FusedStepChecked:
+    """An `onepage_step` for run_simulation: fused kernel, cross-checked against composed."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def __call__(self, backend: StockTritonComposed, heads: GdnHeads, state_pool, record_pool,
+                 flag_pool, pages, num_accepted, x: GdnInputs, cu_seqlens, row_map=None):
+        pool_c, record_c, flag_c = state_pool.clone(), record_pool.clone(), flag_pool.clone()
+        out_c = onepage_verify_step(backend, heads, pool_c, record_c, flag_c, pages,
+                                    num_accepted, x, cu_seqlens, row_map)
+        out = onepage_fused_step(
+            q=x.q, k=x.k, v=x.v, a=x.a, b=x.b, A_log=backend.A_log, dt_bias=backend.dt_bias,
+            ssm_state=state_pool, record=record_pool, flag=flag_pool, state_indices=pages,
+            num_accepted=num_accepted, cu_seqlens=cu_seqlens, row_map=row_map)
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        live_rows = torch.repeat_interleave(pages.long() != NULL_PAGE, lens)
+        rows = row_map.long()[live_rows] if row_map is not None else live_rows.nonzero().flatten()
+        step = f"fused step {self.steps}"
+        _assert_equal(out.index_select(0, rows), out_c.index_select(0, rows), f"{step} outputs")
+        if row_map is not None:  # rows outside the map stay zero
+            outside = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+            outside[row_map.long()] = False
+            _assert_equal(out[outside], torch.zeros_like(out[outside]), f"{step} unmapped rows")
+        null_rows = (row_map.long()[~live_rows] if row_map is not None
+                     else (~live_rows).nonzero().flatten())
+        _assert_equal(out.index_select(0, null_rows),
+                      torch.zeros_like(out.index_select(0, null_rows)), f"{step} null-page rows")
+        _assert_equal(state_pool, pool_c, f"{step} checkpoints")
+        _assert_equal(record_pool, record_c, f"{step} records")
+        _assert_equal(flag_pool, flag_c, f"{step} flags")
+        self.steps += 1
+        return out
