@@ -1,0 +1,168 @@
+"""Alert rules (promtool check/test, every rule positive and negative, runbooks), scrape config,
+Grafana dashboards and provisioning: valid, and naming only metrics the exporter really exports."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from r9k.monitoring.exporter import build_collector, build_registry, render
+from r9k.monitoring.fixtures import FakeFleet, FakeReplica, build_monitored_host
+from r9k.tiny_model import build_config
+
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+ALERTS = MONITORING / "alerts"
+RULES = ALERTS / "r9k.rules.yml"
+RULE_TESTS = ALERTS / "r9k.rules.test.yml"
+DASHBOARDS = sorted((MONITORING / "grafana").glob("*.json"))
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("R9K_SKIP_PROMETHEUS") == "1":
+            pytest.skip("promtool not installed and R9K_SKIP_PROMETHEUS=1")
+        pytest.fail("promtool not found: install Debian's prometheus package (bash scripts/ci-system-deps.sh)")
+    return path
+
+
+def run_promtool(*args: str, cwd: Path = ALERTS) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_promtool_check_and_test_rules_pass():
+    check = run_promtool("check", "rules", RULES.name)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in check.stdout
+    test = run_promtool("test", "rules", RULE_TESTS.name)
+    assert test.returncode == 0, test.stdout + test.stderr
+
+
+def test_every_rule_has_a_positive_and_a_negative_case():
+    cases: dict[str, list[bool]] = {}
+    for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for case in test.get("alert_rule_test", []):
+            cases.setdefault(case["alertname"], []).append(bool(case["exp_alerts"]))
+    for rule in rules():
+        assert True in cases.get(rule["alert"], []), f"{rule['alert']}: no case where it fires"
+        assert False in cases.get(rule["alert"], []), f"{rule['alert']}: no case where it stays quiet"
+
+
+def test_promtool_catches_a_wrong_threshold(tmp_path):
+    """The rule tests can fail: a junction threshold of 110 C instead of 100 C breaks them."""
+    text = RULES.read_text()
+    assert 'sensor="junction"} >= 100' in text
+    (tmp_path / RULES.name).write_text(text.replace('sensor="junction"} >= 100', 'sensor="junction"} >= 110'))
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    result = run_promtool("test", "rules", RULE_TESTS.name, cwd=tmp_path)
+    assert result.returncode != 0 and "GpuJunctionTemperatureHigh" in result.stdout + result.stderr
+
+
+def test_rules_follow_the_conventions_and_link_existing_runbooks():
+    names = [r["alert"] for r in rules()]
+    assert len(names) == len(set(names))
+    for rule in rules():
+        assert re.fullmatch(r"(?:[A-Z][a-z0-9]*)+", rule["alert"]), rule["alert"]
+        assert rule["labels"]["severity"] in ("critical", "warning", "info")
+        ann = rule["annotations"]
+        assert ann["summary"] and ann["description"]
+        runbook = MONITORING / "runbooks" / ann["runbook_url"].rsplit("/", 1)[1]
+        assert runbook.is_file(), f"{rule['alert']}: {runbook} missing"
+        body = runbook.read_text()
+        assert rule["alert"] in body and "**Check:**" in body and "**Do:**" in body
+    wanted = {"GpuMesTimeout", "GpuRingTimeout", "GpuReset", "GpuDeviceLost", "GpuUnhealthy",
+              "GpuPowerConfigDrift", "GpuJunctionTemperatureHigh", "KvPoolSaturated", "ReplicaDown",
+              "ExporterDown"}
+    assert wanted <= set(names)
+
+
+def test_prometheus_scrape_config_is_valid():
+    result = run_promtool("check", "config", "prometheus.yml", cwd=MONITORING)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    assert {j["job_name"] for j in config["scrape_configs"]} >= {"r9k-exporter", "vllm"}
+    am = yaml.safe_load((MONITORING / "alertmanager.yml").read_text())
+    receivers = {r["name"] for r in am["receivers"]}
+    assert am["route"]["receiver"] in receivers
+    assert {r["receiver"] for r in am["route"]["routes"]} <= receivers
+    amtool = shutil.which("amtool")
+    if amtool:
+        check = subprocess.run([amtool, "check-config", str(MONITORING / "alertmanager.yml")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.fixture(scope="module")
+def exported_names(tmp_path_factory) -> set[str]:
+    """Every family the exporter writes for a host with cards, events and a one-page replica."""
+    base = tmp_path_factory.mktemp("names")
+    root, state, config = build_monitored_host(base)
+    model = base / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_config()))
+    with FakeReplica(running=2, num_gpu_blocks=50) as replica:
+        doc = {"replicas": [{"name": "r1", "url": replica.url, "model_config": str(model), "num_spec": 2,
+                             "mode": "onepage", "platform": "cpu", "state": "ready", "cards": ["0000:03:00.0"]}]}
+        with FakeFleet(doc) as fleet:
+            text = render(build_registry(build_collector(root, state, config, fleet_url=fleet.url + "/status")))
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names |= {s.name for s in family.samples}
+    return names
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\br9k_[a-z0-9_]+", expr))
+
+
+def test_rule_metrics_exist_in_exporter_output(exported_names):
+    for rule in rules():
+        missing = metric_names(rule["expr"]) - exported_names
+        assert not missing, f"{rule['alert']}: {missing} not exported"
+
+
+def dashboard_targets() -> list[tuple[str, str, str]]:
+    out = []
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        for panel in dash["panels"]:
+            for target in panel["targets"]:
+                out.append((path.name, panel["title"], target["expr"]))
+    return out
+
+
+def test_dashboards_are_valid_and_use_exported_metrics(exported_names):
+    assert {p.name for p in DASHBOARDS} == {"r9k-power-thermals.json", "r9k-faults.json", "r9k-kv-cache.json"}
+    uids = set()
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        assert dash["uid"] not in uids
+        uids.add(dash["uid"])
+        ids = [p["id"] for p in dash["panels"]]
+        assert len(ids) == len(set(ids)), path.name
+        variables = {v["name"] for v in dash["templating"]["list"]}
+        for panel in dash["panels"]:
+            assert panel["targets"], (path.name, panel["title"])
+            for target in panel["targets"]:
+                used = set(re.findall(r"\$([a-z_]+)", target["expr"])) - {"__range", "__rate_interval"}
+                assert used <= variables, (path.name, panel["title"], used)
+    used_metrics = set().union(*(metric_names(e) for _, _, e in dashboard_targets()))
+    assert not used_metrics - exported_names, used_metrics - exported_names
+    # The issue's three views: power and thermals, faults, KV cache and pinning.
+    assert {"r9k_gpu_power_watts", "r9k_gpu_temperature_celsius", "r9k_gpu_events_total",
+            "r9k_gpu_unhealthy", "r9k_kv_pinned_ratio", "r9k_kv_capacity_tokens"} <= used_metrics
+    prov = yaml.safe_load((MONITORING / "grafana/provisioning.yml").read_text())
+    assert prov["apiVersion"] == 1 and prov["providers"][0]["type"] == "file"
+    ds = yaml.safe_load((MONITORING / "grafana/datasource.yml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
