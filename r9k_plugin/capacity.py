@@ -384,3 +384,20 @@ def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
     gdn = num_running * num_gdn_groups * gdn_pages_per_request / num_blocks
     attn = num_running * num_attention_groups / num_blocks
     return {"gdn": gdn, "attention": attn, "total": gdn + attn}
+
+
+def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: int, onepage: bool,
+              max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
+              running: int = 0) -> CapacityPlan:
+    """Stock and one-page plans of a running replica, from the block count its engine reports.
+
+    The engine's KV memory per rank is recovered as num_blocks x group_size x page of the mode it
+    runs; both modes are then planned on that memory (the exporter's `r9k_kv_capacity_tokens`).
+    """
+    probe = plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
+                      max_model_len=max_model_len, platform=platform, onepage=onepage,
+                      state_dtype=state_dtype, running=running)
+    kv_bytes = num_blocks * probe.group_size * probe.page_bytes
+    return plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
+                max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
+                running=running)

@@ -1,32 +1,30 @@
-"""Plugin registration: validate settings, pick the mode, hook the GDN layer and model classes."""
+"""Plugin registration: validate settings, hook the GDN layer class and the model classes."""
 from __future__ import annotations
 
 import logging
-import os
+
+from r9k.policy import GDN_STATE_ENV, gdn_state_mode, vllm_version_reason
 
 logger = logging.getLogger("r9k")
-
-GDN_STATE_ENV = "R9K_GDN_STATE"
-GDN_STATE_MODES = ("onepage", "stock")
 
 _registered = False
 
 
-def gdn_state_mode() -> str:
-    """The requested page mode; raises ValueError naming the allowed values on a bad setting."""
-    value = os.environ.get(GDN_STATE_ENV, "onepage").strip().lower()
-    if value not in GDN_STATE_MODES:
-        raise ValueError(
-            f"{GDN_STATE_ENV}={os.environ.get(GDN_STATE_ENV)!r} is not a GDN state mode; "
-            f"expected one of {', '.join(GDN_STATE_MODES)}"
-        )
-    return value
-
-
 def register() -> None:
+    """Called by vLLM in every engine and worker process (entry point vllm.general_plugins)."""
     global _registered
-    mode = gdn_state_mode()  # a bad value must stop the engine: let it raise
+    mode = gdn_state_mode()  # a bad value raises here, which stops the engine at start
     if _registered:
         return
     _registered = True
-    logger.info("r9k plugin loaded: GDN state mode %s (requested by %s)", mode, GDN_STATE_ENV)
+    reason = vllm_version_reason()
+    if reason:
+        logger.warning("r9k plugin loaded: stock GDN state pages: %s", reason)
+        return
+    from r9k import models
+    from r9k.gdn_layer import register_layer
+
+    register_layer()
+    models.register_models()
+    logger.info("r9k plugin loaded: GDN state mode %s (%s)%s", mode, GDN_STATE_ENV,
+                "; pages are decided per engine" if mode == "onepage" else "")

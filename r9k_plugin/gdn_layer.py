@@ -1,0 +1,137 @@
+"""The one-page GDN layer: vLLM's QwenGatedDeltaNetAttention with one state page per request.
+
+Registered with `register_oot`, so Qwen3-Next, Qwen3.5 and Qwen4Exp build it wherever they
+build the stock layer. A layer decides once, at construction, whether its engine gets one-page
+pages (`r9k.policy`); when not, it is the stock layer, unchanged.
+
+What one-page changes in the layer:
+- the page: stock conv window + SSM state, plus the record and flag word (shapes from the
+  capacity module), and `num_speculative_blocks = 0` in its KV spec;
+- the metadata builder: one-column state indices (no silent broadcast into k+1 columns);
+- every decode path: the spec verify step replays/verifies/records; prefills clear the flag;
+  draft-less decodes and non-spec decodes replay a live record first; NVIDIA's compiled MTP
+  kernel, the packed non-spec decode and ROCm's AITER path are switched off for the layer.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention)
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend, GDNAttentionMetadataBuilder)
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from r9k.kernels.onepage import GdnHeads
+from r9k.models.sizing import record_shapes
+from r9k.policy import onepage_enabled
+
+logger = logging.getLogger("r9k")
+
+
+class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+    """The stock builder with one-column persistent state-index buffers.
+
+    Stays a subclass: the model runner passes accepted counts only to instances of
+    GDNAttentionMetadataBuilder. With one page the block table has one column, and the stock
+    [max_bs, k+1] buffer would silently broadcast [n, 1] into every column.
+    """
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.spec_state_indices_tensor = torch.empty(
+            (self.decode_cudagraph_max_bs, 1), dtype=torch.int32, device=device)
+
+
+class OnePageGDNAttentionBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "GDN_ATTN"
+
+    @staticmethod
+    def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
+        return OnePageGDNMetadataBuilder
+
+
+class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
+    def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
+                 reduce_results: bool = True) -> None:
+        self.onepage = onepage_enabled(vllm_config)
+        super().__init__(config, vllm_config, prefix, gqa_interleaved_layout, reduce_results)
+        if not self.onepage:
+            return
+        self._vllm_config = vllm_config
+        self.num_candidates = 1 + self.num_spec  # S, from the configuration, never an index width
+        self.onepage_heads = GdnHeads(self.num_k_heads // self.tp_size,
+                                      self.num_v_heads // self.tp_size,
+                                      self.head_k_dim, self.head_v_dim)
+        # Decode paths that would bypass the record: off for one-page layers.
+        self.enable_fused_gdn_spec_decode = False
+        self.enable_packed_recurrent_decode = False
+        if current_platform.is_cpu():
+            self._forward_method = self.forward_cpu_onepage
+        elif current_platform.is_cuda_alike():
+            # forward_hip would take AITER's GDN kernels; forward_cuda reaches _forward_core
+            self._forward_method = self.forward_cuda
+        else:
+            raise RuntimeError(f"r9k one-page GDN has no path for platform "
+                               f"{current_platform.device_name}; set R9K_GDN_STATE=stock")
+
+    # --- the page ---------------------------------------------------------------------------
+    def get_state_shape(self):
+        shapes = super().get_state_shape()
+        if not getattr(self, "onepage", False):
+            return shapes
+        return tuple(shapes) + record_shapes(self._vllm_config)
+
+    def get_state_dtype(self):
+        dtypes = super().get_state_dtype()
+        if not getattr(self, "onepage", False):
+            return dtypes
+        return tuple(dtypes) + (self.model_config.dtype, torch.int32)
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if not self.onepage or not isinstance(spec, MambaSpec):
+            return spec
+        return MambaSpec(
+            shapes=spec.shapes, dtypes=spec.dtypes, block_size=spec.block_size,
+            page_size_padded=spec.page_size_padded, mamba_type=spec.mamba_type,
+            tp_replicated=spec.tp_replicated, mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=0)
+
+    def get_attn_backend(self):
+        return OnePageGDNAttentionBackend if self.onepage else super().get_attn_backend()
+
+    # --- decode paths -------------------------------------------------------------------------
+    def forward_cpu_onepage(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from r9k.gdn_cpu import onepage_forward_cpu
+
+        return onepage_forward_cpu(self, hidden_states)
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        if not self.onepage:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        from r9k.gdn_gpu import onepage_forward_core
+
+        return onepage_forward_core(self, super()._forward_core, mixed_qkv, b, a, core_attn_out)
+
+
+_layer_registered = False
+
+
+def register_layer() -> None:
+    global _layer_registered
+    if _layer_registered:
+        return
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    name = QwenGatedDeltaNetAttention.__name__
+    if name in op_registry_oot:  # another plugin took it: do not fight over the layer
+        logger.warning("r9k: %s is already replaced by %s; keeping stock GDN pages", name,
+                       op_registry_oot[name].__qualname__)
+        return
+    QwenGatedDeltaNetAttention.register_oot(OnePageGatedDeltaNetAttention)
+    _layer_registered = True

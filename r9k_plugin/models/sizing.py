@@ -1,0 +1,44 @@
+"""The shared page-sizing code path for every one-page model class."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from r9k.capacity import FLAG_WORDS, HybridModelShape, gdn_page_layout
+from r9k.policy import onepage_enabled
+
+
+def _shape_from_vllm(vllm_config: Any) -> HybridModelShape:
+    hf = vllm_config.model_config.hf_text_config
+    return HybridModelShape(
+        name=vllm_config.model_config.architecture, num_gdn_layers=0, num_attention_layers=0,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=1,
+        linear_num_key_heads=hf.linear_num_key_heads,
+        linear_num_value_heads=hf.linear_num_value_heads,
+        linear_key_head_dim=hf.linear_key_head_dim,
+        linear_value_head_dim=hf.linear_value_head_dim,
+        linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+    )
+
+
+def record_shapes(vllm_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(record shape [2, S, W], flag shape [FLAG_WORDS]) from the capacity module's layout."""
+    spec = vllm_config.speculative_config
+    layout = gdn_page_layout(_shape_from_vllm(vllm_config),
+                             vllm_config.parallel_config.tensor_parallel_size,
+                             spec.num_speculative_tokens, onepage=True)
+    return layout.record_shape, (FLAG_WORDS,)
+
+
+def onepage_state_shapes(stock_shapes: tuple, vllm_config: Any) -> tuple:
+    if not onepage_enabled(vllm_config):
+        return stock_shapes
+    return tuple(stock_shapes) + record_shapes(vllm_config)
+
+
+def onepage_state_dtypes(stock_dtypes: tuple, vllm_config: Any) -> tuple:
+    if not onepage_enabled(vllm_config):
+        return stock_dtypes
+    return tuple(stock_dtypes) + (vllm_config.model_config.dtype, torch.int32)
