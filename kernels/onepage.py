@@ -146,7 +146,8 @@ def write_record(record_pool: torch.Tensor, flag_pool: torch.Tensor, pages: torc
     new_slot = 1 - flag_pool[pages_l, FLAG_SLOT].long()
     dev = pages_l.device
     seq_of_row = torch.repeat_interleave(torch.arange(pages_l.numel(), device=dev), lens)
-    pos_of_row = torch.arange(seq_of_row.numel(), device=dev) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    pos_of_row = torch.arange(seq_of_row.numel(), device=dev) - torch.repeat_interleave(
+        cu_seqlens[:-1].long(), lens)
     row_keep = keep[seq_of_row]
     packed = pack_record_rows(x).to(record_pool.dtype)
     record_pool[pages_l[seq_of_row][row_keep], new_slot[seq_of_row][row_keep],

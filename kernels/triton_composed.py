@@ -17,6 +17,12 @@ from r9k.kernels._stock_loader import stock_spec_update
 from r9k.kernels.onepage import GdnInputs
 
 
+def _pow2(width: int) -> int:
+    # the row width is a constexpr of the stock kernel: round it up to bound recompilations
+    # (columns past the ones read and stored are never touched)
+    return 1 << max(width - 1, 0).bit_length()
+
+
 def _index_rows(pages: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
     """[N, width] int32 rows of zeros with pages[i] at column[i] (built on the device)."""
     cols = torch.arange(width, device=pages.device)[None, :]
@@ -47,14 +53,14 @@ class StockTritonComposed:
             return
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
         width = max(int(lens.max()), 1)
-        idx = _index_rows(pages, lens - 1, width)
+        idx = _index_rows(pages, lens - 1, _pow2(width))
         # q only feeds outputs, which replay discards: k stands in for it
         self._run(state_pool, idx, lens, k, k, v, a, b, cu_seqlens)
 
     def verify(self, state_pool, pages, x: GdnInputs, cu_seqlens) -> torch.Tensor:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
         width = (int(lens.max()) if lens.numel() else 0) + 1
-        idx = _index_rows(pages, lens, width)
+        idx = _index_rows(pages, lens, _pow2(width))
         return self._run(state_pool, idx, lens + 1, x.q, x.k, x.v, x.a, x.b, cu_seqlens)
 
     def per_slot_step(self, state_pool, slot_rows, num_accepted, x: GdnInputs, cu_seqlens):

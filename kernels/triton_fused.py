@@ -69,6 +69,7 @@ def onepage_gdn_step_kernel(
     DO_REPLAY: tl.constexpr,
     DO_VERIFY: tl.constexpr,
     DO_RECORD: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -116,12 +117,31 @@ def onepage_gdn_step_kernel(
         p_v = p_rec + H * K + i_hv * V + o_v
         p_a = p_rec + H * K + HV * V + i_hv
         p_b = p_a + HV
+        # PREFETCH: row t + 1 is loaded while row t computes (same values, same arithmetic);
+        # vector masks are built full-width (the interpreter rejects vector & scalar masks)
+        if PREFETCH:
+            has_row = n_replay > 0
+            n_k = tl.load(p_k, mask=mask_k & (o_k * 0 < n_replay), other=0)
+            n_v = tl.load(p_v, mask=mask_v & (o_v * 0 < n_replay), other=0)
+            n_a = tl.load(p_a, mask=has_row, other=0)
+            n_b = tl.load(p_b, mask=has_row, other=0)
         for i_t in range(0, n_replay):
-            b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
-            b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
-            b_b = tl.load(p_b).to(tl.float32)
+            if PREFETCH:
+                b_k = n_k.to(tl.float32)
+                b_v = n_v.to(tl.float32)
+                b_b = n_b.to(tl.float32)
+                x = n_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                more = i_t + 1 < n_replay
+                n_k = tl.load(p_k + W, mask=mask_k & (o_k * 0 + i_t + 1 < n_replay), other=0)
+                n_v = tl.load(p_v + W, mask=mask_v & (o_v * 0 + i_t + 1 < n_replay), other=0)
+                n_a = tl.load(p_a + W, mask=more, other=0)
+                n_b = tl.load(p_b + W, mask=more, other=0)
+            else:
+                b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
+                b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
+                b_b = tl.load(p_b).to(tl.float32)
 
-            x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
@@ -147,24 +167,57 @@ def onepage_gdn_step_kernel(
 
     # 2. verify: the stock per-token body, outputs only
     if DO_VERIFY:
-        for i_t in range(0, T):
+        if PREFETCH:
+            has_row = T > 0
             if HAS_ROW_MAP:
-                row = tl.load(row_map + bos + i_t).to(tl.int64)
+                n_row = tl.load(row_map + bos, mask=has_row, other=0).to(tl.int64)
             else:
-                row = bos + i_t
-            p_q = q + (row * H + i_h) * K + o_k
-            p_k = k + (row * H + i_h) * K + o_k
-            p_v = v + (row * HV + i_hv) * V + o_v
-            p_a = a + row * HV + i_hv
-            p_b = b + row * HV + i_hv
+                n_row = bos
+            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T),
+                          other=0)
+            n_a = tl.load(a + n_row * HV + i_hv, mask=has_row, other=0)
+            n_b = tl.load(b + n_row * HV + i_hv, mask=has_row, other=0)
+        for i_t in range(0, T):
+            if PREFETCH:
+                row = n_row
+                b_q = n_q.to(tl.float32)
+                b_k = n_k.to(tl.float32)
+                b_v = n_v.to(tl.float32)
+                b_b = n_b.to(tl.float32)
+                x = n_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                more = i_t + 1 < T
+                if HAS_ROW_MAP:
+                    n_row = tl.load(row_map + bos + i_t + 1, mask=more, other=0).to(tl.int64)
+                else:
+                    n_row = bos + i_t + 1
+                n_q = tl.load(q + (n_row * H + i_h) * K + o_k,
+                              mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
+                n_k = tl.load(k + (n_row * H + i_h) * K + o_k,
+                              mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
+                n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v,
+                              mask=mask_v & (o_v * 0 + i_t + 1 < T), other=0)
+                n_a = tl.load(a + n_row * HV + i_hv, mask=more, other=0)
+                n_b = tl.load(b + n_row * HV + i_hv, mask=more, other=0)
+            else:
+                if HAS_ROW_MAP:
+                    row = tl.load(row_map + bos + i_t).to(tl.int64)
+                else:
+                    row = bos + i_t
+                p_q = q + (row * H + i_h) * K + o_k
+                p_k = k + (row * H + i_h) * K + o_k
+                p_v = v + (row * HV + i_hv) * V + o_v
+                p_a = a + row * HV + i_hv
+                p_b = b + row * HV + i_hv
+
+                b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
+                b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
+                b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
+                b_b = tl.load(p_b).to(tl.float32)
+
+                x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             p_o = o + (row * HV + i_hv) * V + o_v
-
-            b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
-            b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
-            b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
-            b_b = tl.load(p_b).to(tl.float32)
-
-            x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
@@ -234,7 +287,7 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
                        state_indices, num_accepted, cu_seqlens, row_map=None,
                        use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
-                       out=None) -> torch.Tensor:
+                       prefetch=False, out=None) -> torch.Tensor:
     """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
     and rows of null pages are zero). `stages` drops stages for measurements only."""
     T_all, H, K = k.shape
@@ -261,7 +314,7 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
         USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         HAS_ROW_MAP=row_map is not None,
         DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
-        DO_RECORD="record" in stages,
+        DO_RECORD="record" in stages, PREFETCH=bool(prefetch),
         num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES,
     )
     return out

@@ -25,7 +25,7 @@ def _compile(fn, signature, constexprs, target=R9700):
     return triton.compile(src, target=target, options=options.__dict__)
 
 
-def _fused_args(state_ty):
+def _fused_args(state_ty, prefetch=False):
     from r9k.kernels.triton_fused import onepage_gdn_step_kernel as kern
 
     ptr = {"A_log": "*fp32", "a": "*bf16", "b": "*bf16", "dt_bias": "*bf16", "q": "*bf16",
@@ -36,7 +36,7 @@ def _fused_args(state_ty):
             "stride_record_page": "i64", "stride_flag_page": "i32"}
     const = {"H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": BV, "S": S,
              "stride_state_page": HV * V * K, "USE_QK_L2NORM_IN_KERNEL": True,
-             "HAS_ROW_MAP": False, "DO_REPLAY": True, "DO_VERIFY": True, "DO_RECORD": True}
+             "HAS_ROW_MAP": False, "DO_REPLAY": True, "DO_VERIFY": True, "DO_RECORD": True, "PREFETCH": prefetch}
     sig = {n: ptr.get(n) or scal.get(n) or "constexpr" for n in kern.arg_names}
     return kern, sig, const
 
@@ -59,9 +59,10 @@ def _stock_args(state_ty):
     return kern, sig, const
 
 
-@pytest.mark.parametrize("state_ty", ["fp32", "bf16"])
-def test_fused_and_stock_build_for_gfx1201_wave32(state_ty):
-    fused = _compile(*_fused_args(state_ty))
+@pytest.mark.parametrize("state_ty,prefetch",
+                         [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, prefetch):
+    fused = _compile(*_fused_args(state_ty, prefetch))
     stock = _compile(*_stock_args(state_ty))
     for ck in (fused, stock):
         assert ck.metadata.target.arch == "gfx1201" and ck.metadata.warp_size == 32

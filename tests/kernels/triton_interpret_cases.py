@@ -23,20 +23,25 @@ CASES = [
     dict(num_seqs=2, num_spec=3, steps=4, state_dtype=torch.float32, seed=1),
     dict(num_seqs=2, num_spec=3, steps=4, state_dtype=torch.bfloat16, seed=2),
     dict(num_seqs=3, num_spec=7, steps=4, row_map=True, null_pages=1, seed=3),
-    dict(num_seqs=3, num_spec=7, steps=3, state_dtype=torch.bfloat16, row_map=True,
+    dict(num_seqs=3, num_spec=7, steps=2, state_dtype=torch.bfloat16, row_map=True,
          null_pages=1, layers=2, seed=4),
     dict(num_seqs=2, num_spec=3, steps=3, lockstep_copies=True, seed=5),
 ]
+# the fused kernel's prefetching variant (loads row t + 1 while row t computes)
+PREFETCH_CASES = [dict(num_seqs=3, num_spec=7, steps=4, state_dtype=torch.bfloat16,
+                       row_map=True, null_pages=1, seed=6)]
 
 
 def sim_cases() -> int:
-    for case in CASES:
-        chk = FusedStepChecked()
+    cases = [(c, False) for c in CASES] + [(c, True) for c in PREFETCH_CASES]
+    for case, prefetch in cases:
+        chk = FusedStepChecked(prefetch=prefetch)
         st = run_simulation(SimConfig(TINY, **case), composed_backend, onepage_step=chk)
         assert chk.steps == st.steps * case.get("layers", 1)
         assert st.replay_hist[0] > 0 and sum(v for r, v in st.replay_hist.items() if r > 0) > 0
-        print(f"sim {case}: rows {st.compared_rows} replay {dict(st.replay_hist)}", flush=True)
-    return len(CASES)
+        print(f"sim {case} prefetch={prefetch}: rows {st.compared_rows} "
+              f"replay {dict(st.replay_hist)}", flush=True)
+    return len(cases)
 
 
 def api_case() -> int:

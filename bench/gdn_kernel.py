@@ -1,0 +1,252 @@
+"""GDN spec-decode kernel benchmark: stock per-slot vs one-page fused vs one-page composed, on the
+same inputs, side by side in one run.
+
+Per configuration (sequences N, state dtype, k, head shape), every sequence verifies S = 1 + k
+candidates and last step accepted `--accepted` tokens (stock resumes from slot accepted - 1 and
+stores S states; one-page replays `accepted` record rows, stores one state, verifies S rows).
+Kernels are timed inside CUDA graphs (as vLLM runs decode), so launch overhead is excluded; the
+composed path is also timed eagerly through the step API (it synchronizes with the host).
+Variants of the fused kernel that drop a stage show where its time goes.
+
+    python bench/gdn_kernel.py                        # 27B-TP2 grid, k = 7, fp32 and bf16
+    python bench/gdn_kernel.py --out bench/results/gdn_kernel_h200.json
+
+Writes JSON (times in microseconds, ratios to stock, modelled bytes moved, achieved bandwidth
+against the measured device copy bandwidth) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
+from r9k.kernels.onepage import GdnHeads
+from r9k.kernels.triton_composed import StockTritonComposed, _index_rows
+from r9k.kernels.triton_fused import onepage_fused_step
+
+SHAPES = {
+    "27b-tp2": GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128),
+    # Qwen3-Next-80B's GDN geometry at TP4, standing in for Flash-Next (Qwen4Exp)
+    "flash-next-tp4": GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def copy_bandwidth_bytes_per_s(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
+
+
+def time_graph_us(fn, launches: int = 20, reps: int = 15) -> float:
+    """Median per-launch time of `fn` captured `launches` times in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / launches)
+    return statistics.median(samples)
+
+
+def time_eager_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: int,
+                 accepted: int, dev: str, eager_composed: bool) -> dict:
+    g = torch.Generator().manual_seed(n)
+    HK, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
+    S, W = 1 + num_spec, heads.record_row_width
+    T = n * S
+
+    def rnd(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+    rows = dict(q=rnd(T, HK, K), k=rnd(T, HK, K), v=rnd(T, HV, V), a=rnd(T, HV), b=rnd(T, HV))
+    A_log = torch.rand(HV, generator=g).to(dev)
+    dt_bias = rnd(HV)
+    cu = (torch.arange(n + 1) * S).to(torch.int32).to(dev)
+    init = rnd(n, HV, V, K, scale=0.1, dtype=state_dtype)
+
+    # stock: request i owns slots 1 + i*S ..; resumes from slot accepted-1, stores S states
+    slot_pool = torch.zeros(1 + n * S, HV, V, K, dtype=state_dtype, device=dev)
+    slot_rows = (1 + torch.arange(n)[:, None] * S + torch.arange(S)[None, :]).to(torch.int32)
+    slot_rows = slot_rows.to(dev)
+    slot_pool[slot_rows[:, accepted - 1].long()] = init
+    acc = torch.full((n,), accepted, dtype=torch.int32, device=dev)
+    stock = StockTritonComposed(A_log, dt_bias)
+
+    def run_stock():
+        stock._run(slot_pool, slot_rows, acc, rows["q"], rows["k"], rows["v"], rows["a"],
+                   rows["b"], cu)
+
+    # one-page: request i owns page 1 + i; a live record of S rows, `accepted` of them replayed
+    pages = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
+
+    def onepage_pools():
+        pool = torch.zeros(1 + n, HV, V, K, dtype=state_dtype, device=dev)
+        pool[1:] = init
+        record = rnd(1 + n, 2, S, W)
+        flag = torch.zeros(1 + n, 4, dtype=torch.int32, device=dev)
+        clear_flags(flag, pages)
+        flag[1:, 0] = S
+        return pool, record, flag
+
+    fused_pools = onepage_pools()
+
+    def run_fused(stages=("replay", "verify", "record"), prefetch=False):
+        pool, record, flag = fused_pools
+        onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool, record=record,
+                           flag=flag, state_indices=pages, num_accepted=acc, cu_seqlens=cu,
+                           stages=stages, prefetch=prefetch)
+
+    # composed kernels only: the two stock launches one-page makes (indices prebuilt)
+    comp_pool = onepage_pools()[0]
+    rep_rows = fused_pools[1][1:, 0, :accepted].reshape(n * accepted, W)
+    kd, vd = HK * K, HV * V
+    rk = rep_rows[:, :kd].reshape(-1, HK, K).contiguous()
+    rv = rep_rows[:, kd:kd + vd].reshape(-1, HV, V).contiguous()
+    ra = rep_rows[:, kd + vd:kd + vd + HV].contiguous()
+    rb = rep_rows[:, kd + vd + HV:].contiguous()
+    rep_cu = (torch.arange(n + 1) * accepted).to(torch.int32).to(dev)
+    rep_idx = _index_rows(pages, torch.full_like(pages, accepted - 1), accepted)
+    ver_idx = _index_rows(pages, torch.full_like(pages, S), S + 1)
+    ver_acc = torch.full((n,), S + 1, dtype=torch.int32, device=dev)
+
+    def run_composed_kernels():
+        stock._run(comp_pool, rep_idx, acc, rk, rk, rv, ra, rb, rep_cu)
+        stock._run(comp_pool, ver_idx, ver_acc, rows["q"], rows["k"], rows["v"], rows["a"],
+                   rows["b"], cu)
+
+    res = {"num_seqs": n, "state_dtype": str(state_dtype).replace("torch.", ""),
+           "num_spec": num_spec, "accepted": accepted}
+    t = {
+        "stock": time_graph_us(run_stock),
+        "fused": time_graph_us(run_fused),
+        "fused_prefetch": time_graph_us(lambda: run_fused(prefetch=True)),
+        "composed_kernels": time_graph_us(run_composed_kernels),
+        "fused_no_record": time_graph_us(lambda: run_fused(("replay", "verify"))),
+        "fused_verify_only": time_graph_us(lambda: run_fused(("verify",))),
+        "fused_replay_only": time_graph_us(lambda: run_fused(("replay",))),
+    }
+    if eager_composed:
+        cpools = onepage_pools()
+        t["composed_step_eager"] = time_eager_us(lambda: onepage_spec_step(
+            **rows, A_log=A_log, dt_bias=dt_bias, ssm_state=cpools[0], record=cpools[1],
+            flag=cpools[2], state_indices=pages, num_accepted=acc, cu_seqlens=cu,
+            impl="composed"))
+    res["time_us"] = {k_: round(v_, 2) for k_, v_ in t.items()}
+    res["ratio_to_stock"] = {k_: round(v_ / t["stock"], 3) for k_, v_ in t.items()}
+
+    es = torch.finfo(state_dtype).bits // 8
+    state = n * HV * V * K * es
+    inputs = T * (2 * HK * K + HV * V + 2 * HV) * 2
+    outputs = T * HV * V * 2
+    rec_row = W * 2
+    bytes_moved = {
+        "stock": state * (1 + S) + inputs + outputs,
+        "fused": 2 * state + n * accepted * rec_row + inputs + outputs + T * rec_row,
+        "fused_prefetch": 2 * state + n * accepted * rec_row + inputs + outputs + T * rec_row,
+        "composed_kernels": 3 * state + n * accepted * (rec_row + HK * K * 2) + inputs + outputs,
+    }
+    res["bytes_moved"] = bytes_moved
+    res["achieved_bytes_per_s"] = {k_: bytes_moved[k_] / (t[k_] * 1e-6) for k_ in bytes_moved}
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="1,4,16,64,256")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--shapes", default="27b-tp2")
+    ap.add_argument("--num-spec", type=int, default=7)
+    ap.add_argument("--accepted", type=int, default=4, help="tokens accepted last step (replayed)")
+    ap.add_argument("--no-eager-composed", action="store_true")
+    ap.add_argument("--out", default="bench/results/gdn_kernel.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA or ROCm GPU", file=sys.stderr)
+        return 2
+    if not 1 <= args.accepted <= args.num_spec + 1:
+        print(f"--accepted must be in 1..{args.num_spec + 1}", file=sys.stderr)
+        return 2
+    import triton
+
+    dev = "cuda"
+    copy_bw = copy_bandwidth_bytes_per_s(dev)
+    results = []
+    for shape in args.shapes.split(","):
+        for dname in args.dtypes.split(","):
+            for n in map(int, args.seqs.split(",")):
+                r = bench_config(SHAPES[shape], n, DTYPES[dname], args.num_spec, args.accepted,
+                                 dev, not args.no_eager_composed)
+                r["shape"] = shape
+                r["bw_fraction_of_copy"] = {k: round(v / copy_bw, 3)
+                                            for k, v in r["achieved_bytes_per_s"].items()}
+                results.append(r)
+                torch.cuda.empty_cache()
+    doc = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "method": "median per-launch time, 20 launches per CUDA graph, 15 graph replays",
+        "command": "python bench/gdn_kernel.py " + " ".join(argv or sys.argv[1:]),
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    cols = ["stock", "fused", "fused_prefetch", "composed_kernels", "fused_no_record", "fused_verify_only",
+            "fused_replay_only", "composed_step_eager"]
+    print(f"{doc['device']}  copy bandwidth {copy_bw / 1e12:.2f} TB/s  k={args.num_spec} "
+          f"accepted={args.accepted}  (us; ratio to stock in brackets)")
+    print(f"{'shape':15} {'state':8} {'N':>4} " + " ".join(f"{c:>24}" for c in cols))
+    for r in results:
+        cells = []
+        for c in cols:
+            if c in r["time_us"]:
+                cells.append(f"{r['time_us'][c]:>9.1f} [{r['ratio_to_stock'][c]:5.2f}]")
+            else:
+                cells.append("-")
+        print(f"{r['shape']:15} {r['state_dtype']:8} {r['num_seqs']:>4} "
+              + " ".join(f"{c:>24}" for c in cells))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
