@@ -21,7 +21,7 @@ from r9k.kernels.onepage import (
 _OP_REGISTERED = False
 
 
-def _register_op() -> None:
+def register_op() -> None:
     global _OP_REGISTERED
     if _OP_REGISTERED:
         return
@@ -32,7 +32,6 @@ def _register_op() -> None:
 
 def onepage_forward_cpu(layer, hidden_states: torch.Tensor) -> torch.Tensor:
     """QwenGatedDeltaNetAttention.forward_cpu with the core op swapped for the one-page one."""
-    _register_op()
     mixed_qkvz, _ = layer.in_proj_qkvz(hidden_states)
     ba, _ = layer.in_proj_ba(hidden_states)
     if layer.gqa_interleaved_layout:  # Qwen3-Next

@@ -71,6 +71,10 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         self.enable_fused_gdn_spec_decode = False
         self.enable_packed_recurrent_decode = False
         if current_platform.is_cpu():
+            from r9k import gdn_cpu
+
+            gdn_cpu.register_op()  # at construction: torch.compile must not trace a registration
+            self._onepage_forward_cpu = gdn_cpu.onepage_forward_cpu
             self._forward_method = self.forward_cpu_onepage
         elif current_platform.is_cuda_alike():
             # forward_hip would take AITER's GDN kernels; forward_cuda reaches _forward_core
@@ -107,9 +111,7 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     # --- decode paths -------------------------------------------------------------------------
     def forward_cpu_onepage(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from r9k.gdn_cpu import onepage_forward_cpu
-
-        return onepage_forward_cpu(self, hidden_states)
+        return self._onepage_forward_cpu(self, hidden_states)
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         if not self.onepage:
