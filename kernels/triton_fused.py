@@ -1,13 +1,15 @@
 """The fused one-page GDN verify step: one Triton kernel per (sequence, value head, V block).
 
 Per program, with the state tile [BV, K] in registers:
-1. replay the first min(num_accepted, live_count) rows of the page's live record slot onto the
-   checkpoint, store it once (rounded to the state dtype) and continue from the rounded value,
-   exactly as stock re-reads a stored slot;
-2. run this step's candidate rows from there, storing their outputs and no state;
-3. copy the candidate rows (post-conv k | v | a | b) into the other record slot;
-4. the last program of the page to finish (a done counter in flag word 2) sets the live count
-   and flips the live slot, so no program reads a flag another one already rewrote.
+1. copy this step's candidate rows (post-conv k | v | a | b) into the page's other record slot,
+   as tiles off the token chain; the page's last program to count in (done counter, flag word 2)
+   sets the live count and flips the live slot, so no program reads a flag another one already
+   rewrote;
+2. replay the first min(num_accepted, live_count) rows of the live slot onto the checkpoint,
+   store it once (rounded to the state dtype) and continue from the rounded value, exactly as
+   stock re-reads a stored slot;
+3. run the candidate rows from there, storing their outputs and no state.
+With `prefetch` (the default) row t + 1's inputs are loaded while row t computes.
 
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
@@ -63,6 +65,7 @@ def onepage_gdn_step_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     S: tl.constexpr,
+    SP: tl.constexpr,
     stride_state_page: tl.constexpr,
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr,
@@ -110,38 +113,85 @@ def onepage_gdn_step_kernel(
     b_h = tl.zeros([BV, BK], dtype=tl.float32)
     b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
 
+    p_rec = record + page * stride_record_page + live_slot.to(tl.int64) * (S * W)
+    p_rk = p_rec + i_h * K + o_k
+    p_rv = p_rec + H * K + i_hv * V + o_v
+    p_ra = p_rec + H * K + HV * V + i_hv
+    p_rb = p_ra + HV
+    if PREFETCH:
+        # first replay row and first candidate row in flight before anything waits; row t + 1
+        # is loaded while row t computes (same values, same arithmetic). Vector masks are built
+        # full-width: the interpreter rejects vector & scalar masks.
+        r_k = tl.load(p_rk, mask=mask_k & (o_k * 0 < n_replay), other=0)
+        r_v = tl.load(p_rv, mask=mask_v & (o_v * 0 < n_replay), other=0)
+        r_a = tl.load(p_ra, mask=n_replay > 0, other=0)
+        r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
+        if HAS_ROW_MAP:
+            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
+        else:
+            n_row = bos
+        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
+        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+
+    # record this step's rows in the other slot (tiles, off the token chain), then count in;
+    # the page's last program sets the live count and flips the slot
+    if DO_RECORD:
+        if T > 0:
+            new_slot = 1 - live_slot
+            n_rows = tl.minimum(T, S)
+            o_s = tl.arange(0, SP)
+            mask_s = o_s < n_rows
+            if HAS_ROW_MAP:
+                rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
+            else:
+                rows = bos + o_s
+            p_w = (record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
+                   + o_s[:, None] * W)
+            t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :],
+                          mask=mask_s[:, None] & mask_v[None, :], other=0)
+            tl.store(p_w + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
+                     mask=mask_s[:, None] & mask_v[None, :])
+            if i_v == 0:
+                p_w1 = p_w + H * K + HV * V + i_hv
+                t_a = tl.load(a + rows[:, None] * HV + i_hv, mask=mask_s[:, None], other=0)
+                t_b = tl.load(b + rows[:, None] * HV + i_hv, mask=mask_s[:, None], other=0)
+                tl.store(p_w1, t_a.to(record.dtype.element_ty), mask=mask_s[:, None])
+                tl.store(p_w1 + HV, t_b.to(record.dtype.element_ty), mask=mask_s[:, None])
+                if i_hv % (HV // H) == 0:
+                    t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                                  mask=mask_s[:, None] & mask_k[None, :], other=0)
+                    tl.store(p_w + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
+                             mask=mask_s[:, None] & mask_k[None, :])
+            # every warp has used the flag (record addresses) before the count goes up
+            tl.debug_barrier()
+            done = tl.atomic_add(p_flag + _F_DONE, 1)
+            if done == NV * HV - 1:
+                tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
+                tl.store(p_flag + _F_SLOT, new_slot)
+                tl.store(p_flag + _F_DONE, 0)
+
     # 1. replay: the stock per-token state update, without q and the output
     if DO_REPLAY:
-        p_rec = record + page * stride_record_page + live_slot.to(tl.int64) * (S * W)
-        p_k = p_rec + i_h * K + o_k
-        p_v = p_rec + H * K + i_hv * V + o_v
-        p_a = p_rec + H * K + HV * V + i_hv
-        p_b = p_a + HV
-        # PREFETCH: row t + 1 is loaded while row t computes (same values, same arithmetic);
-        # vector masks are built full-width (the interpreter rejects vector & scalar masks)
-        if PREFETCH:
-            has_row = n_replay > 0
-            n_k = tl.load(p_k, mask=mask_k & (o_k * 0 < n_replay), other=0)
-            n_v = tl.load(p_v, mask=mask_v & (o_v * 0 < n_replay), other=0)
-            n_a = tl.load(p_a, mask=has_row, other=0)
-            n_b = tl.load(p_b, mask=has_row, other=0)
         for i_t in range(0, n_replay):
             if PREFETCH:
-                b_k = n_k.to(tl.float32)
-                b_v = n_v.to(tl.float32)
-                b_b = n_b.to(tl.float32)
-                x = n_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                b_k = r_k.to(tl.float32)
+                b_v = r_v.to(tl.float32)
+                b_b = r_b.to(tl.float32)
+                x = r_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
                 more = i_t + 1 < n_replay
-                n_k = tl.load(p_k + W, mask=mask_k & (o_k * 0 + i_t + 1 < n_replay), other=0)
-                n_v = tl.load(p_v + W, mask=mask_v & (o_v * 0 + i_t + 1 < n_replay), other=0)
-                n_a = tl.load(p_a + W, mask=more, other=0)
-                n_b = tl.load(p_b + W, mask=more, other=0)
+                r_k = tl.load(p_rk + W, mask=mask_k & (o_k * 0 + i_t + 1 < n_replay), other=0)
+                r_v = tl.load(p_rv + W, mask=mask_v & (o_v * 0 + i_t + 1 < n_replay), other=0)
+                r_a = tl.load(p_ra + W, mask=more, other=0)
+                r_b = tl.load(p_rb + W, mask=more, other=0)
             else:
-                b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
-                b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
-                b_b = tl.load(p_b).to(tl.float32)
+                b_k = tl.load(p_rk, mask=mask_k, other=0).to(tl.float32)
+                b_v = tl.load(p_rv, mask=mask_v, other=0).to(tl.float32)
+                b_b = tl.load(p_rb).to(tl.float32)
 
-                x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                x = tl.load(p_ra).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
@@ -156,10 +206,10 @@ def onepage_gdn_step_kernel(
             b_v *= b_beta
             b_h += b_v[:, None] * b_k[None, :]
 
-            p_k += W
-            p_v += W
-            p_a += W
-            p_b += W
+            p_rk += W
+            p_rv += W
+            p_ra += W
+            p_rb += W
         if n_replay > 0:
             tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
         # continue from the stored (rounded) checkpoint, as stock re-reads a stored slot
@@ -167,18 +217,6 @@ def onepage_gdn_step_kernel(
 
     # 2. verify: the stock per-token body, outputs only
     if DO_VERIFY:
-        if PREFETCH:
-            has_row = T > 0
-            if HAS_ROW_MAP:
-                n_row = tl.load(row_map + bos, mask=has_row, other=0).to(tl.int64)
-            else:
-                n_row = bos
-            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T),
-                          other=0)
-            n_a = tl.load(a + n_row * HV + i_hv, mask=has_row, other=0)
-            n_b = tl.load(b + n_row * HV + i_hv, mask=has_row, other=0)
         for i_t in range(0, T):
             if PREFETCH:
                 row = n_row
@@ -236,37 +274,6 @@ def onepage_gdn_step_kernel(
             b_o = tl.sum(b_h * b_q[None, :], 1)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
-    # 3. record this step's rows in the other slot; 4. the last program flips the flag
-    if DO_RECORD:
-        if T > 0:
-            new_slot = 1 - live_slot
-            n_rows = tl.minimum(T, S)
-            p_w = record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
-            for i_t in range(0, n_rows):
-                if HAS_ROW_MAP:
-                    row = tl.load(row_map + bos + i_t).to(tl.int64)
-                else:
-                    row = bos + i_t
-                p_row = p_w + i_t * W
-                b_vr = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
-                tl.store(p_row + H * K + i_hv * V + o_v,
-                         b_vr.to(p_row.dtype.element_ty), mask=mask_v)
-                if i_v == 0:
-                    tl.store(p_row + H * K + HV * V + i_hv,
-                             tl.load(a + row * HV + i_hv).to(p_row.dtype.element_ty))
-                    tl.store(p_row + H * K + HV * V + HV + i_hv,
-                             tl.load(b + row * HV + i_hv).to(p_row.dtype.element_ty))
-                    if i_hv % (HV // H) == 0:
-                        b_kr = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
-                        tl.store(p_row + i_h * K + o_k,
-                                 b_kr.to(p_row.dtype.element_ty), mask=mask_k)
-            # every program of the page read the flag before counting in (acq_rel atomics)
-            done = tl.atomic_add(p_flag + _F_DONE, 1)
-            if done == NV * HV - 1:
-                tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
-                tl.store(p_flag + _F_SLOT, new_slot)
-                tl.store(p_flag + _F_DONE, 0)
-
 
 def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
     if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (heads_v, V, K):
@@ -287,7 +294,7 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
                        state_indices, num_accepted, cu_seqlens, row_map=None,
                        use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
-                       prefetch=False, out=None) -> torch.Tensor:
+                       prefetch=True, out=None) -> torch.Tensor:
     """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
     and rows of null pages are zero). `stages` drops stages for measurements only."""
     T_all, H, K = k.shape
@@ -309,7 +316,7 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
         q.contiguous(), k.contiguous(), v.contiguous(), out, ssm_state, record, flag,
         cu_seqlens, state_indices, num_accepted, row_map if row_map is not None else cu_seqlens,
         K ** -0.5, N, record.stride(0), flag.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S, SP=triton.next_power_of_2(S),
         stride_state_page=ssm_state.stride(0),
         USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         HAS_ROW_MAP=row_map is not None,

@@ -23,7 +23,7 @@ def composed_backend(A_log: torch.Tensor, dt_bias: torch.Tensor) -> StockTritonC
 class FusedStepChecked:
     """An `onepage_step` for run_simulation: fused kernel, cross-checked against composed."""
 
-    def __init__(self, prefetch: bool = False) -> None:
+    def __init__(self, prefetch: bool = True) -> None:
         self.steps = 0
         self.prefetch = prefetch
 

@@ -34,7 +34,7 @@ def _fused_args(state_ty, prefetch=False):
            "num_accepted": "*i32", "row_map": "*i32"}
     scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",
             "stride_record_page": "i64", "stride_flag_page": "i32"}
-    const = {"H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": BV, "S": S,
+    const = {"H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": BV, "S": S, "SP": S,
              "stride_state_page": HV * V * K, "USE_QK_L2NORM_IN_KERNEL": True,
              "HAS_ROW_MAP": False, "DO_REPLAY": True, "DO_VERIFY": True, "DO_RECORD": True, "PREFETCH": prefetch}
     sig = {n: ptr.get(n) or scal.get(n) or "constexpr" for n in kern.arg_names}
