@@ -1,0 +1,220 @@
+"""`r9k fleet`: up, status, drain, restart --rolling, down, check.
+
+Commands other than `up` and `check` talk to the running controller over its entry point
+(`--url`, else the controller file in the run directory).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+
+from r9k.cli import BadInput
+
+RUN_DIR_HELP = "controller file and logs [env R9K_FLEET_RUN_DIR; default ~/.local/state/r9k/fleet]"
+
+
+def _load(config: str):
+    from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet
+    from r9k.deploy.placement import check_fits, unusable_cards
+
+    try:
+        cfg = parse_fleet(Path(config).read_text(), config, Path(config).resolve().parent)
+    except FileNotFoundError:
+        raise BadInput(f"{config}: fleet file not found (expected YAML, see deploy/README.md)") from None
+    except FleetConfigError as exc:
+        raise BadInput(str(exc)) from None
+    for m in cfg.models:
+        path = m.resolved_path(cfg.base_dir)
+        if m.generate_tiny and not (path / "config.json").exists():
+            from r9k.tiny_model import make_tiny
+
+            make_tiny(path, seed=0)
+            click.echo(f"generated the tiny model in {path}", err=True)
+    try:
+        cfg = load_fleet(config)
+        if cfg.hosts:  # the inventory is in the file: refuse what cannot fit before Ray starts
+            from r9k.ops.state import read_card_states
+
+            bad = {b: s.unhealthy_reason or "unhealthy" for b, s in read_card_states(cfg.ops_state_dir).items()
+                   if not s.healthy}
+            check_fits(cfg, cfg.hosts, unusable_cards(cfg, bad))
+    except FleetConfigError as exc:
+        raise BadInput(str(exc)) from None
+    return cfg
+
+
+def _controller_url(url: str | None, run_dir: str | None) -> str:
+    if url:
+        return url.rstrip("/")
+    from r9k.deploy.controller import CONTROLLER_FILE, default_run_dir
+
+    path = Path(run_dir or default_run_dir()) / CONTROLLER_FILE
+    try:
+        return json.loads(path.read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        raise BadInput(f"no running fleet: {path} is missing; pass --url or --run-dir") from None
+
+
+def _call(url: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("R9K_FLEET_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:300]
+        raise BadInput(f"{url}{path}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"fleet controller at {url} does not answer: {exc}") from None
+
+
+url_option = click.option("--url", help="the fleet entry point, e.g. http://127.0.0.1:8000")
+run_dir_option = click.option("--run-dir", help=RUN_DIR_HELP)
+
+
+@click.group()
+def fleet() -> None:
+    """The Ray fleet: replicas with the one-page plugin, placed on cards, watched, drained."""
+
+
+@fleet.command()
+@click.option("--config", "config", required=True, help="fleet file (YAML)")
+def check(config: str) -> None:
+    """Validate a fleet file (schema, model paths, ports, cards in the file's inventory)."""
+    cfg = _load(config)
+    click.echo(f"{config}: ok ({sum(m.replicas for m in cfg.models)} replicas, "
+               f"{sum(m.replicas * m.tp for m in cfg.models)} cards)")
+
+
+@fleet.command()
+@click.option("--config", "config", required=True, help="fleet file (YAML)")
+@click.option("--detach", is_flag=True, help="run the controller in the background and return when placed")
+@run_dir_option
+def up(config: str, detach: bool, run_dir: str | None) -> None:
+    """Start or join Ray, place the replicas, serve the entry point (Ctrl-C stops the fleet)."""
+    from r9k.deploy.controller import CONTROLLER_FILE, FleetController, default_run_dir
+
+    cfg = _load(config)
+    run = Path(run_dir or cfg.run_dir or default_run_dir())
+    if detach:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / CONTROLLER_FILE).unlink(missing_ok=True)
+        argv = [sys.executable, "-c", "from r9k.cli import main; main()", "fleet", "up", "--config", config,
+                "--run-dir", str(run)]
+        with open(run / "controller.log", "w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not (run / CONTROLLER_FILE).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (run / "controller.log").read_text(errors="replace")[-1500:]
+                raise click.ClickException(f"the fleet controller did not start:\n{tail}")
+            time.sleep(0.5)
+        click.echo(f"fleet controller pid {proc.pid}; entry point {json.loads((run / CONTROLLER_FILE).read_text())['url']}")
+        return
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    controller = FleetController(cfg, run, config_path=str(Path(config).resolve()))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, controller.stopping.set)
+        from r9k.deploy.placement import PlacementError
+
+        try:
+            await controller.start()
+        except PlacementError as exc:
+            await controller.stop()
+            raise BadInput(str(exc)) from None
+        click.echo(f"entry point {controller.url}  (status: r9k fleet status --url {controller.url})")
+        await controller.stopping.wait()
+        await controller.stop()
+
+    asyncio.run(main())
+
+
+def _kv(d: dict) -> str:
+    kv = d.get("kv") or {}
+    if kv.get("num_blocks") is None:
+        return "-"
+    return f"{kv['num_blocks']} blk / {kv.get('kv_cache_tokens') or 0:,} tok"
+
+
+@fleet.command()
+@url_option
+@run_dir_option
+@click.option("--json", "as_json", is_flag=True)
+def status(url: str | None, run_dir: str | None, as_json: bool) -> None:
+    """Replicas, cards, states, page mode and why, KV capacity."""
+    data = _call(_controller_url(url, run_dir), "/fleet/status")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"{'replica':14}{'state':11}{'host':8}{'cards':30}{'pages':10}{'KV pool':26}{'restarts':>8}  why")
+    for d in data["replicas"] + data["stopped"]:
+        click.echo(f"{d['name']:14}{d['state'] or 'stopped':11}{d['host'] or '-':8}{','.join(d['cards']) or '-':30}"
+                   f"{d['page_mode'] or '-':10}{_kv(d):26}{d['restarts']:>8}  {d['reason'] or ''}")
+    for name, p in data["capacity"].items():
+        click.echo(f"{name}: planner per replica stock {p['stock_tokens']:,} tokens ({p['stock_blocks']} blocks), "
+                   f"one-page {p['onepage_tokens']:,} tokens ({p['onepage_blocks']} blocks)")
+    for c in data["cards"]:
+        if not c["usable"]:
+            click.echo(f"card {c['bdf']} on {c['host']}: not used ({c['reason']})")
+
+
+@fleet.command()
+@click.argument("replica", required=False)
+@click.option("--card", envvar="R9K_BDF", help="drain every replica on this card (PCI address); "
+              "env R9K_BDF, so it works as an ops hook")
+@url_option
+@run_dir_option
+def drain(replica: str | None, card: str | None, url: str | None, run_dir: str | None) -> None:
+    """Finish in-flight requests, stop routing, stop the replica (REPLICA or every one on --card)."""
+    if bool(replica) == bool(card):
+        raise BadInput("give a REPLICA name or --card BDF (one of them)")
+    if card:
+        from r9k.ops.state import BDF_RE
+
+        if not BDF_RE.match(card):
+            raise BadInput(f"--card {card!r}: expected a full PCI address like 0000:03:00.0")
+        reason = os.environ.get("R9K_EVENT")
+        body = {"card": card, "reason": f"ops event {reason}" if reason else "drained by operator"}
+    else:
+        body = {"replica": replica}
+    out = _call(_controller_url(url, run_dir), "/fleet/drain", body)
+    click.echo(f"draining {', '.join(out['drained']) or 'nothing'}" + (f" (card {card})" if card else ""))
+
+
+@fleet.command()
+@click.option("--rolling", is_flag=True, required=True, help="one replica at a time on its own cards")
+@url_option
+@run_dir_option
+def restart(rolling: bool, url: str | None, run_dir: str | None) -> None:
+    """Restart every ready replica, one at a time, without extra cards."""
+    out = _call(_controller_url(url, run_dir), "/fleet/restart", {}, timeout=3600)
+    click.echo("\n".join(out["restarted"]) or "no ready replica")
+
+
+@fleet.command()
+@url_option
+@run_dir_option
+def down(url: str | None, run_dir: str | None) -> None:
+    """Stop every replica and the controller."""
+    _call(_controller_url(url, run_dir), "/fleet/down", {})
+    click.echo("fleet stopping")

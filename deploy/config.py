@@ -1,0 +1,327 @@
+"""The fleet file: what to serve, where, and how to watch it (YAML, validated before anything starts).
+
+Every refusal is one line naming the file, the field, what was given and what was expected.
+Checks that need the host inventory (cards that exist, TP that fits one host) are in
+:mod:`r9k.deploy.placement`; :func:`check_fleet` runs both.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
+
+from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
+
+DEFAULT_CARD_RESOURCE = "R9700"
+HOST_LABEL = "r9k.host"          # Ray node label naming the host in the fleet file
+TP_SIZES = (1, 2, 4)
+# Versioned per-card RCCL defaults of the replica spec: TP=2 on two R9700s deadlocks without it.
+RCCL_DEFAULTS_VERSION = 1
+RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
+# vLLM flags the fleet sets itself from typed fields; in extra_args they would contradict them.
+_OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-model-name",
+                "--speculative-config", "--max-model-len", "--kv-cache-memory-bytes", "--api-key",
+                "--enable-prefix-caching", "--no-enable-prefix-caching")
+
+
+class FleetConfigError(ValueError):
+    """Fleet file refused; nothing was started."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class Speculative(_Strict):
+    method: Literal["mtp", "ngram", "eagle", "eagle3", "draft_model"] = "mtp"
+    k: StrictInt = Field(default=3, ge=1, le=16)   # draft tokens per step (num_speculative_tokens)
+
+
+class ModelSpec(_Strict):
+    name: StrictStr = Field(min_length=1)            # served model name (the `model` of requests)
+    path: StrictStr = Field(min_length=1)            # local directory with config.json, on every host
+    generate_tiny: bool = False                      # make the tiny test model at `path` if missing
+    replicas: StrictInt = Field(default=1, ge=0)
+    tp: StrictInt = 1
+    speculative: Union[Speculative, None] = Speculative()
+    max_model_len: StrictInt = Field(default=4096, ge=16)
+    kv_cache_memory_bytes: StrictInt = Field(ge=1 << 20)  # per rank
+    gdn_state: Literal["onepage", "stock"] = "onepage"
+    state_dtype: Union[Literal["float32", "bfloat16"], None] = None  # --mamba-ssm-cache-dtype
+    extra_args: list[StrictStr] = []
+    env: dict[StrictStr, StrictStr] = {}
+
+    @field_validator("tp")
+    @classmethod
+    def _tp(cls, value: int) -> int:
+        if value not in TP_SIZES:
+            raise ValueError(f"expected a tensor-parallel size of 1, 2 or 4, got {value}")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in _OWNED_FLAGS:
+                raise ValueError(f"{flag} is set by the fleet from the model's typed fields; "
+                                 "remove it from extra_args")
+        return args
+
+    @model_validator(mode="after")
+    def _onepage_needs_spec(self) -> "ModelSpec":
+        if self.gdn_state == "onepage" and self.speculative is None:
+            raise ValueError("gdn_state onepage needs speculative decoding (speculative: {method, k}); "
+                             "without it one page is all stock keeps, use gdn_state: stock")
+        return self
+
+    @property
+    def num_spec(self) -> int:
+        return self.speculative.k if self.speculative else 0
+
+    def resolved_path(self, base: Path) -> Path:
+        p = Path(os.path.expanduser(self.path))
+        return p if p.is_absolute() else (base / p).resolve()
+
+
+class CardSpec(_Strict):
+    bdf: StrictStr
+    cpu_bind: Union[StrictStr, None] = None   # platform cpu: the cores that stand for this card
+
+    @field_validator("bdf")
+    @classmethod
+    def _bdf(cls, value: str) -> str:
+        if not BDF_RE.match(value):
+            raise ValueError(f"expected a full lower-case PCI address like 0000:03:00.0, got {value!r}")
+        return value
+
+
+class HostSpec(_Strict):
+    name: StrictStr = Field(min_length=1)     # the Ray node's `r9k.host` label
+    cards: list[Union[StrictStr, CardSpec]]
+
+    @field_validator("cards")
+    @classmethod
+    def _cards(cls, cards: list) -> list[CardSpec]:
+        out = [CardSpec(bdf=c) if isinstance(c, str) else c for c in cards]
+        bdfs = [c.bdf for c in out]
+        if len(set(bdfs)) != len(bdfs):
+            raise ValueError(f"a card is listed twice: {sorted(b for b in bdfs if bdfs.count(b) > 1)[0]}")
+        return out
+
+
+class RaySpec(_Strict):
+    address: StrictStr = "local"      # local: start a one-host Ray here; auto / ray://...: join
+    num_cpus: Union[StrictInt, None] = None   # local only (logical)
+    namespace: StrictStr = "r9k-fleet"
+
+
+class EntrySpec(_Strict):
+    host: StrictStr = "127.0.0.1"
+    port: StrictInt = Field(default=8000, ge=1, le=65535)
+    api_key_env: Union[StrictStr, None] = None   # name of the env var holding the key (never the key)
+
+
+class ExporterSpec(_Strict):
+    listen: StrictStr = "127.0.0.1"
+    port: StrictInt = Field(default=9700, ge=1, le=65535)
+
+
+class PlacementSpec(_Strict):
+    card_resource: StrictStr = DEFAULT_CARD_RESOURCE
+    avoid_cards: list[StrictStr] = []
+    cpus_per_card: float = Field(default=1.0, ge=0)
+    gpu_resource: Union[bool, None] = None   # ask bundles for Ray's GPU too; default: platform gpu
+
+    @field_validator("avoid_cards")
+    @classmethod
+    def _avoid(cls, cards: list[str]) -> list[str]:
+        for c in cards:
+            CardSpec(bdf=c)
+        return cards
+
+
+class HealthSpec(_Strict):
+    probe_interval_s: float = Field(default=2.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)   # /health unanswered this long: unhealthy
+    progress_timeout_s: float = Field(default=60.0, gt=0)    # work queued, no new token this long: hung
+    startup_timeout_s: float = Field(default=900.0, gt=0)    # loading longer than this: failed start
+    grace_after_ready_s: float = Field(default=30.0, ge=0)   # no progress verdict this soon after ready
+    restart_backoff_s: float = Field(default=5.0, ge=0)
+    restart_backoff_max_s: float = Field(default=300.0, ge=0)
+    stable_after_s: float = Field(default=300.0, ge=0)      # ready this long: failure count resets
+    drain_timeout_s: float = Field(default=120.0, ge=0)
+
+
+class FleetConfig(_Strict):
+    platform: Literal["gpu", "cpu"] = "gpu"
+    ray: RaySpec = RaySpec()
+    entry: EntrySpec = EntrySpec()
+    exporter: Union[ExporterSpec, None] = ExporterSpec()
+    replica_bind: Literal["127.0.0.1", "node-ip"] = "127.0.0.1"
+    replica_ports: StrictStr = "8100-8199"
+    ops_state_dir: StrictStr = DEFAULT_STATE_DIR
+    run_dir: Union[StrictStr, None] = None    # logs and the controller file; default ~/.local/state/r9k/fleet
+    hosts: list[HostSpec] = []                # inventory; empty: discovered on the Ray nodes
+    placement: PlacementSpec = PlacementSpec()
+    health: HealthSpec = HealthSpec()
+    models: list[ModelSpec] = Field(min_length=1)
+    # Where the file was read from (relative model paths resolve against it); not a YAML field.
+    base_dir: Path = Field(default=Path("."), exclude=True)
+
+    @field_validator("ops_state_dir", "run_dir")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        return os.path.expanduser(value) if value else value
+
+    @field_validator("replica_ports")
+    @classmethod
+    def _range(cls, value: str) -> str:
+        lo, sep, hi = value.partition("-")
+        if not (sep and lo.isdigit() and hi.isdigit() and 1024 <= int(lo) <= int(hi) <= 65535):
+            raise ValueError(f"expected a port range like 8100-8199 (1024..65535), got {value!r}")
+        return value
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        lo, _, hi = self.replica_ports.partition("-")
+        return int(lo), int(hi)
+
+    @property
+    def use_gpu_resource(self) -> bool:
+        gpu = self.placement.gpu_resource
+        return self.platform == "gpu" if gpu is None else gpu
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def api_key(self) -> str | None:
+        env = self.entry.api_key_env
+        return os.environ.get(env) or None if env else None
+
+
+def _loc(error: dict) -> str:
+    return ".".join(str(p) for p in error["loc"]
+                    if not str(p).startswith(("str", "int", "list[", "CardSpec", "function-")))
+
+
+def _describe(error: dict) -> str:
+    where = _loc(error) or "fleet file"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown field"
+    msg = error["msg"].removeprefix("Value error, ")
+    given = error.get("input")
+    if error["type"] in ("missing",):
+        return f"{where}: required field is missing"
+    if isinstance(given, (dict, list)):
+        return f"{where}: {msg}"
+    return f"{where}: {msg} (got {given!r})"
+
+
+def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None = None) -> FleetConfig:
+    """Schema and self-consistency only (no filesystem or cluster)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FleetConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise FleetConfigError(f"{source}: expected a mapping with a `models` list at the top level")
+    try:
+        cfg = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        msgs: list[str] = []
+        for err in exc.errors():
+            m = _describe(err)
+            if m not in msgs:
+                msgs.append(m)
+        raise FleetConfigError(f"{source}: " + "; ".join(msgs[:3])) from None
+    cfg.base_dir = base_dir or Path(".").resolve()
+    _check_consistency(cfg, source)
+    return cfg
+
+
+def _check_consistency(cfg: FleetConfig, source: str) -> None:
+    names = [m.name for m in cfg.models]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise FleetConfigError(f"{source}: models: served name {dup[0]!r} appears twice; names must be unique")
+    lo, hi = cfg.port_range
+    ports = {"entry.port": cfg.entry.port}
+    if cfg.exporter is not None:
+        ports["exporter.port"] = cfg.exporter.port
+    if len(set(ports.values())) != len(ports):
+        raise FleetConfigError(f"{source}: entry.port and exporter.port are both {cfg.entry.port}; "
+                               "expected two different ports")
+    for field, port in ports.items():
+        if lo <= port <= hi:
+            raise FleetConfigError(f"{source}: {field} {port} lies in replica_ports {cfg.replica_ports}; "
+                                   "expected a port outside the replicas' range")
+    if sum(m.replicas for m in cfg.models) > hi - lo + 1:
+        raise FleetConfigError(f"{source}: replica_ports {cfg.replica_ports} has {hi - lo + 1} ports "
+                               f"for {sum(m.replicas for m in cfg.models)} replicas")
+    hosts = [h.name for h in cfg.hosts]
+    if len(set(hosts)) != len(hosts):
+        raise FleetConfigError(f"{source}: hosts: a host name appears twice")
+    all_cards = [c.bdf for h in cfg.hosts for c in h.cards]
+    if len(set(all_cards)) != len(all_cards):
+        twice = sorted(b for b in all_cards if all_cards.count(b) > 1)[0]
+        raise FleetConfigError(f"{source}: hosts: card {twice} is listed on two hosts")
+    if cfg.platform == "cpu":
+        for h in cfg.hosts:
+            for c in h.cards:
+                if c.cpu_bind is None:
+                    raise FleetConfigError(f"{source}: hosts.{h.name}: card {c.bdf} has no cpu_bind; "
+                                           "platform cpu needs the cores that stand for each card")
+    for m in cfg.models:
+        if cfg.platform == "cpu" and m.tp != 1:
+            raise FleetConfigError(f"{source}: models.{m.name}.tp {m.tp}: platform cpu serves TP 1 only")
+        for key in m.env:
+            if not key.replace("_", "").isalnum():
+                raise FleetConfigError(f"{source}: models.{m.name}.env: {key!r} is not a variable name")
+
+
+def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
+    """Every model path is a directory with a config.json the capacity module can read."""
+    from r9k import capacity
+
+    for m in cfg.models:
+        path = m.resolved_path(cfg.base_dir)
+        if m.generate_tiny and not (path / "config.json").exists():
+            continue
+        if not (path / "config.json").is_file():
+            raise FleetConfigError(f"{source}: models.{m.name}.path {str(path)!r}: no config.json there; "
+                                   "expected a local model directory present on every host")
+        try:
+            shape = capacity.HybridModelShape.from_path(path)
+            capacity.validate(shape, tp=m.tp, num_spec=m.num_spec, kv_bytes_per_rank=m.kv_cache_memory_bytes,
+                              max_model_len=m.max_model_len, platform=cfg.platform,
+                              state_dtype=m.state_dtype, running=0)
+        except capacity.CapacityInputError as exc:
+            raise FleetConfigError(f"{source}: models.{m.name}: {exc}") from None
+
+
+def load_fleet(path: str | os.PathLike) -> FleetConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FleetConfigError(f"{path}: fleet file not found (expected YAML, see deploy/README.md)") from None
+    cfg = parse_fleet(text, str(path), base_dir=path.resolve().parent)
+    check_model_paths(cfg, str(path))
+    return cfg
+
+
+def split_args(args: list[str]) -> list[str]:
+    """extra_args entries may be whole strings like "--max-num-seqs 8"."""
+    out: list[str] = []
+    for a in args:
+        out.extend(shlex.split(a) if " " in a and not a.startswith("{") else [a])
+    return out

@@ -1,0 +1,155 @@
+"""The fleet's one OpenAI-compatible endpoint: routes each request to the least busy ready replica
+of its model (streaming passes through), answers 503 with the replica states when none is
+ready, serves the fleet status (monitoring's ``FleetStatus`` shape) and the admin actions.
+
+It knows replicas only through :class:`Backend` (the controller, or a table in tests).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
+               "content-encoding", "authorization", "upgrade"}
+
+
+@dataclass
+class Route:
+    """A ready replica as the router sees it; ``outstanding`` is the router's own count."""
+
+    name: str
+    model: str
+    url: str
+    outstanding: int = 0
+    served: int = 0
+    api_key: str | None = field(default=None, repr=False)
+
+
+class Backend(Protocol):
+    def routes(self, model: str) -> list[Route]: ...          # ready replicas of the model
+    def model_names(self) -> list[str]: ...                    # every model in the fleet
+    def states_line(self, model: str) -> str: ...              # "m-0 loading, m-1 unhealthy (why)"
+    def status(self) -> dict[str, Any]: ...
+    async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def pick(routes: list[Route]) -> Route | None:
+    """Least outstanding requests; ties go to the replica that has served fewer."""
+    return min(routes, key=lambda r: (r.outstanding, r.served, r.name), default=None)
+
+
+class EntryPoint:
+    def __init__(self, backend: Backend, api_key: str | None = None, proxy_timeout_s: float = 3600) -> None:
+        self.backend = backend
+        self.api_key = api_key
+        self.proxy_timeout_s = proxy_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+        self.app = web.Application(client_max_size=64 << 20)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_post("/v1/{tail:.*}", self.proxy)
+        self.app.router.add_get("/fleet/status", self.status)
+        self.app.router.add_post("/fleet/{action}", self.admin)
+        self.app.on_startup.append(self._open)
+        self.app.on_cleanup.append(self._close)
+
+    async def _open(self, _app) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=self.proxy_timeout_s, sock_connect=5), auto_decompress=False)
+
+    async def _close(self, _app) -> None:
+        if self.session:
+            await self.session.close()
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.api_key:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = sum(len(self.backend.routes(m)) for m in self.backend.model_names())
+        return web.json_response({"ready_replicas": ready}, status=200 if ready else 503)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
+        data = [{"id": m, "object": "model", "owned_by": "r9k-fleet",
+                 "ready_replicas": len(self.backend.routes(m))} for m in self.backend.model_names()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.backend.status())
+
+    async def admin(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except json.JSONDecodeError:
+            return _error(400, "expected a JSON object", "BadRequest")
+        status, payload = await self.backend.admin(request.match_info["action"], body or {})
+        return web.json_response(payload, status=status)
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
+        body = await request.read()
+        try:
+            model = json.loads(body).get("model")
+        except (json.JSONDecodeError, AttributeError):
+            return _error(400, "expected a JSON object with a `model` field", "BadRequest")
+        names = self.backend.model_names()
+        if model not in names:
+            return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
+        tried: set[str] = set()
+        while True:
+            route = pick([r for r in self.backend.routes(model) if r.name not in tried])
+            if route is None:
+                return _error(503, f"no ready replica for model {model!r} ({self.backend.states_line(model)})",
+                              "ServiceUnavailable")
+            tried.add(route.name)
+            route.outstanding += 1
+            try:
+                return await self._forward(request, route, body)
+            except aiohttp.ClientConnectorError:
+                continue  # nothing was sent: try the next replica
+            finally:
+                route.outstanding -= 1
+                route.served += 1
+
+    async def _forward(self, request: web.Request, route: Route, body: bytes) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if route.api_key:
+            headers["Authorization"] = f"Bearer {route.api_key}"
+        assert self.session is not None
+        async with self.session.post(route.url + request.path, data=body, headers=headers,
+                                     params=request.query) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+            response.headers["X-R9k-Replica"] = route.name
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError):
+                pass  # the replica died mid-answer: the client sees a truncated body
+            await response.write_eof()
+            return response
+
+
+async def serve(entry: EntryPoint, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(entry.app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
