@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from r9k.kernels.onepage import FLAG_COUNT, FLAG_DONE, NULL_PAGE, GdnHeads, GdnInputs
+from r9k.kernels.onepage import NULL_PAGE, GdnHeads, GdnInputs
 
 IMPLS = ("fused", "composed")
 
@@ -54,7 +54,8 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 
 
 def clear_flags(flag: torch.Tensor, state_indices: torch.Tensor) -> None:
-    """Prefill and stock paths: forget the pages' records (live count and done counter to 0).
+    """Prefill and stock paths: forget the pages' records (the whole flag word to 0, as
+    `onepage.clear_records` does: a fresh page holds garbage in every field).
 
     No host synchronization (safe under CUDA graphs): null pages are redirected to the null
     page's own flag, which is written with its current value.
@@ -62,6 +63,5 @@ def clear_flags(flag: torch.Tensor, state_indices: torch.Tensor) -> None:
     idx = state_indices.reshape(-1).long()
     live = idx > NULL_PAGE
     idx = torch.where(live, idx, torch.zeros_like(idx))
-    for col in (FLAG_COUNT, FLAG_DONE):
-        cur = flag[idx, col]
-        flag[idx, col] = torch.where(live, torch.zeros_like(cur), cur)
+    cur = flag[idx]
+    flag[idx] = torch.where(live[:, None], torch.zeros_like(cur), cur)

@@ -119,6 +119,43 @@ def test_step_api_sync_free_and_graph_capturable():
     assert int(eager[2][1, 0]) == S and int(eager[2][1, 2]) == 0  # live count, counter reset
 
 
+@pytest.mark.parametrize("state", list(DTYPES))
+def test_zero_length_step_replays_like_composed(state):
+    """The plugin's non-spec decode path: a step with no candidate rows replays the live record
+    (num_accepted rows) onto the checkpoint and leaves record and flag alone."""
+    from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
+
+    h, dev, g = QWEN35_27B_TP2, "cuda", torch.Generator().manual_seed(5)
+    HK, HV, K, V, S, n = h.num_k_heads, h.num_v_heads, h.head_k_dim, h.head_v_dim, 8, 5
+    A_log = torch.rand(HV, generator=g).to(dev)
+    dt_bias = torch.randn(HV, generator=g).bfloat16().to(dev)
+    rows = {name: (torch.randn(*shape, generator=g) * 0.5).bfloat16().to(dev) for name, shape in
+            dict(q=(n * S, HK, K), k=(n * S, HK, K), v=(n * S, HV, V), a=(n * S, HV),
+                 b=(n * S, HV)).items()}
+    pages = torch.tensor([1, 0, 2, 3, 4], dtype=torch.int32, device=dev)
+    st = (torch.randn(n + 1, HV, V, K, generator=g) * 0.1).to(DTYPES[state]).to(dev)
+    rec = torch.randn(n + 1, 2, S, h.record_row_width, generator=g).bfloat16().to(dev)
+    fl = torch.zeros(n + 1, 4, dtype=torch.int32, device=dev)
+    clear_flags(fl, pages)
+    pools = {impl: (st.clone(), rec.clone(), fl.clone()) for impl in ("fused", "composed")}
+    cu = (torch.arange(n + 1) * S).to(torch.int32).to(dev)
+    for impl, (p_st, p_rec, p_fl) in pools.items():
+        onepage_spec_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=p_st, record=p_rec,
+                          flag=p_fl, state_indices=pages,
+                          num_accepted=torch.ones(n, dtype=torch.int32, device=dev),
+                          cu_seqlens=cu, impl=impl)
+    before = pools["fused"][0].clone()
+    acc = torch.tensor([3, 1, 8, 1, 5], dtype=torch.int32, device=dev)
+    for impl, (p_st, p_rec, p_fl) in pools.items():
+        onepage_spec_step(**{k_: t[:0] for k_, t in rows.items()}, A_log=A_log, dt_bias=dt_bias,
+                          ssm_state=p_st, record=p_rec, flag=p_fl, state_indices=pages,
+                          num_accepted=acc, cu_seqlens=torch.zeros_like(cu), impl=impl)
+    for name, x, y in zip(("state", "record", "flag"), pools["fused"], pools["composed"]):
+        assert torch.equal(x, y), name
+    assert not torch.equal(pools["fused"][0][1], before[1])
+    assert torch.equal(pools["fused"][0][0], before[0])
+
+
 def test_compile_options_identical_to_stock():
     """enable_fp_fusion and the launch options of the compiled fused and stock kernels agree."""
     from r9k.kernels._stock_loader import stock_spec_kernel

@@ -82,8 +82,22 @@ def api_case() -> int:
             assert torch.equal(a_, b_), f"api step {step} {name}"
         acc = torch.stack([torch.randint(1, int(t) + 1, (1,), generator=g)[0] for t in lens])
         acc = acc.to(torch.int32)
+        if step == 1:  # a zero-length step replays only (the plugin's non-spec decode path)
+            empty = {name: t[:0] for name, t in rows.items()}
+            before = pools["fused"][0].clone()
+            for impl, (st, rec, fl) in pools.items():
+                onepage_spec_step(**empty, A_log=A_log, dt_bias=dt_bias, ssm_state=st,
+                                  record=rec, flag=fl, state_indices=pages, num_accepted=acc,
+                                  cu_seqlens=torch.zeros(n + 1, dtype=torch.int32), impl=impl)
+            for name, a_, b_ in zip(("state", "record", "flag"), pools["fused"],
+                                    pools["composed"]):
+                assert torch.equal(a_, b_), f"api zero-length step {name}"
+            assert not torch.equal(pools["fused"][0][2], before[2])  # page 2 replayed
+            assert torch.equal(pools["fused"][0][0], before[0])  # the null page never
+            for _, _, fl in pools.values():
+                clear_flags(fl, pages)
     assert int(pools["fused"][2][2, 0]) > 0  # a live record was kept
-    print("api case: K != V, S = 3, null page, 4 steps", flush=True)
+    print("api case: K != V, S = 3, null page, zero-length step, 4 steps", flush=True)
     return 1
 
 
