@@ -15,7 +15,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/r9k demo
 
-test: $(STAMP)
+# Debian packages the integration tests run for real (prometheus/promtool, systemd-analyze)
+SYSDEPS := $(VENV)/.r9k-sysdeps
+$(SYSDEPS): scripts/ci-system-deps.sh | $(STAMP)
+	bash scripts/ci-system-deps.sh
+	touch $(SYSDEPS)
+
+test: $(STAMP) $(SYSDEPS)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:
