@@ -49,7 +49,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
                "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(kv_bytes),
                "--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", "8",
