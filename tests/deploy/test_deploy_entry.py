@@ -1,0 +1,182 @@
+"""The entry point over real HTTP with fake OpenAI replicas (no Ray, no engine): least
+outstanding routing, streaming pass-through, 503 and 502, API key, status shape, drain CLI."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from aiohttp import web
+from click.testing import CliRunner
+
+from r9k.cli import main
+from r9k.demo import free_port
+from r9k.deploy.entry import EntryPoint, Route, serve
+from r9k.monitoring.replicas import FleetStatus
+
+
+def fake_replica(name: str, delay_s: float = 0.0) -> web.Application:
+    app = web.Application()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if request.headers.get("Authorization") != "Bearer replica-key":
+            return web.json_response({"error": "replica wants its key"}, status=401)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(f"data: {json.dumps({'i': i, 'replica': name})}\n\n".encode())
+                await asyncio.sleep(0.05)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        await asyncio.sleep(body.get("sleep", delay_s))
+        return web.json_response({"replica": name, "model": body["model"]})
+
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+class Table:
+    """A Backend: replicas by hand; admin calls recorded."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self.all = routes
+        self.ready = {r.name for r in routes}
+        self.calls: list[tuple[str, dict]] = []
+
+    def routes(self, model):
+        return [r for r in self.all if r.model == model and r.name in self.ready]
+
+    def model_names(self):
+        return ["m", "other"]
+
+    def states_line(self, model):
+        return ", ".join(f"{r.name} {'ready' if r.name in self.ready else 'loading'}"
+                         for r in self.all if r.model == model) or "no replicas configured"
+
+    def status(self):
+        return {"replicas": [{"name": r.name, "url": r.url, "model": r.model, "state": "ready", "tp": 1,
+                              "num_spec": 3, "page_mode": "onepage", "cards": ["0000:03:00.0"],
+                              "reason": None} for r in self.all], "stopped": []}
+
+    async def admin(self, action, body):
+        self.calls.append((action, body))
+        return 200, {"drained": ["m-0"]} if action == "drain" else {"restarted": []}
+
+
+@pytest.fixture(scope="module")
+def env():
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
+    runners, routes = [], []
+    for name in ("m-0", "m-1"):
+        port = free_port()
+        runner = web.AppRunner(fake_replica(name))
+        run(runner.setup())
+        run(web.TCPSite(runner, "127.0.0.1", port).start())
+        runners.append(runner)
+        routes.append(Route(name, "m", f"http://127.0.0.1:{port}", api_key="replica-key"))
+    dead = Route("m-dead", "m", f"http://127.0.0.1:{free_port()}", outstanding=-5, api_key="replica-key")
+    table = Table(routes + [dead])
+    entry_port = free_port()
+    runners.append(run(serve(EntryPoint(table, api_key="fleet-key"), "127.0.0.1", entry_port)))
+    yield type("Env", (), {"url": f"http://127.0.0.1:{entry_port}", "table": table, "dead": dead})
+    for r in runners:
+        run(r.cleanup())
+    loop.call_soon_threadsafe(loop.stop)
+
+
+AUTH = {"Authorization": "Bearer fleet-key"}
+
+
+def post(env, body, headers=AUTH, **kw):
+    return requests.post(env.url + "/v1/completions", json=body, headers=headers, timeout=30, **kw)
+
+
+def test_api_key_required_on_v1_and_admin(env):
+    assert post(env, {"model": "m"}, headers={}).status_code == 401
+    assert post(env, {"model": "m"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert requests.post(env.url + "/fleet/down", json={}, timeout=5).status_code == 401
+    assert requests.get(env.url + "/fleet/status", timeout=5).status_code == 200  # read-only, like /metrics
+
+
+def test_dead_replica_is_skipped_before_an_answer_starts(env):
+    env.table.ready = {"m-dead", "m-0"}  # m-dead has the fewest outstanding, so it is tried first
+    resp = post(env, {"model": "m"})
+    assert resp.status_code == 200 and resp.json()["replica"] == "m-0"
+    env.table.ready = {"m-dead"}
+    resp = post(env, {"model": "m"})
+    assert resp.status_code == 502 and "m-dead (ClientConnectorError)" in resp.json()["error"]["message"]
+
+
+def test_least_outstanding_routing(env):
+    env.table.ready = {"m-0", "m-1"}
+    with ThreadPoolExecutor(4) as pool:
+        slow = pool.submit(post, env, {"model": "m", "sleep": 1.5})
+        time.sleep(0.3)
+        quick = [post(env, {"model": "m"}).json()["replica"] for _ in range(4)]
+        slow_replica = slow.result().json()["replica"]
+    other = {"m-0", "m-1"} - {slow_replica}
+    assert set(quick) == other  # the busy replica gets nothing while the other is idle
+    for r in env.table.all:
+        r.served = 0
+    # idle replicas tie on outstanding: the one that served fewer goes next, so they alternate
+    assert [post(env, {"model": "m"}).json()["replica"] for _ in range(6)] == ["m-0", "m-1"] * 3
+
+
+def test_streaming_passes_through_in_chunks(env):
+    env.table.ready = {"m-0"}
+    resp = post(env, {"model": "m", "stream": True}, stream=True)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["X-R9k-Replica"] == "m-0"
+    arrivals, events = [], []
+    for line in resp.iter_lines():
+        if line:
+            arrivals.append(time.monotonic())
+            events.append(line)
+    assert events[-1] == b"data: [DONE]" and [json.loads(e[6:])["i"] for e in events[:-1]] == [0, 1, 2, 3, 4]
+    assert arrivals[-1] - arrivals[0] > 0.15  # delivered as produced, not buffered
+
+
+def test_503_names_the_replica_states_and_404_unknown_model(env):
+    env.table.ready = set()
+    resp = post(env, {"model": "m"})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"] == "no ready replica for model 'm' (m-0 loading, m-1 loading, m-dead loading)"
+    assert post(env, {"model": "other"}).json()["error"]["message"].endswith("(no replicas configured)")
+    resp = post(env, {"model": "nope"})
+    assert resp.status_code == 404 and "models: m, other" in resp.json()["error"]["message"]
+    assert post(env, {"prompt": "no model"}).status_code == 404
+    assert requests.get(env.url + "/health", timeout=5).status_code == 503
+    env.table.ready = {"m-0"}
+    models = requests.get(env.url + "/v1/models", headers=AUTH, timeout=5).json()["data"]
+    assert [(m["id"], m["ready_replicas"]) for m in models] == [("m", 1), ("other", 0)]
+
+
+def test_status_is_monitoring_fleet_status(env):
+    st = FleetStatus.model_validate(requests.get(env.url + "/fleet/status", timeout=5).json())
+    assert [(r.name, r.state, r.page_mode, r.cards) for r in st.replicas][:1] == [
+        ("m-0", "ready", "onepage", ["0000:03:00.0"])]
+
+
+def test_drain_cli_by_card_from_ops_hook_env_and_by_name(env, monkeypatch):
+    monkeypatch.setenv("R9K_FLEET_API_KEY", "fleet-key")
+    runner = CliRunner()
+    res = runner.invoke(main, ["fleet", "drain", "--url", env.url],
+                        env={"R9K_BDF": "0000:03:00.0", "R9K_EVENT": "mes_timeout"})
+    assert res.exit_code == 0, res.output
+    assert env.table.calls[-1] == ("drain", {"card": "0000:03:00.0", "reason": "ops event mes_timeout"})
+    res = runner.invoke(main, ["fleet", "drain", "m-1", "--url", env.url], env={"R9K_BDF": ""})
+    assert res.exit_code == 0 and env.table.calls[-1] == ("drain", {"replica": "m-1"})
+    res = runner.invoke(main, ["fleet", "drain", "--card", "3:00.0", "--url", env.url])
+    assert res.exit_code == 2 and "expected a full PCI address" in res.output
+    res = runner.invoke(main, ["fleet", "drain", "--url", env.url], env={"R9K_BDF": ""})
+    assert res.exit_code == 2 and "give a REPLICA name or --card BDF" in res.output
+    res = runner.invoke(main, ["fleet", "status", "--json", "--url", env.url])
+    assert res.exit_code == 0 and json.loads(res.output)["replicas"][0]["name"] == "m-0"
