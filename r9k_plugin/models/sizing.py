@@ -42,3 +42,32 @@ def onepage_state_dtypes(stock_dtypes: tuple, vllm_config: Any) -> tuple:
     if not onepage_enabled(vllm_config):
         return stock_dtypes
     return tuple(stock_dtypes) + (vllm_config.model_config.dtype, torch.int32)
+
+
+class OnePageSizing:
+    """Mixin for model classes that size GDN pages through get_mamba_state_{shape,dtype}."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        return onepage_state_shapes(super().get_mamba_state_shape_from_config(vllm_config),
+                                    vllm_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return onepage_state_dtypes(super().get_mamba_state_dtype_from_config(vllm_config),
+                                    vllm_config)
+
+
+class OnePageGdnSizing:
+    """Mixin for Qwen4Exp, whose get_mamba_specs_from_config reads the GDN layout from
+    get_gdn_mamba_state_{shape,dtype}_from_config (its PLE layer keeps its own spec)."""
+
+    @classmethod
+    def get_gdn_mamba_state_shape_from_config(cls, vllm_config):
+        return onepage_state_shapes(super().get_gdn_mamba_state_shape_from_config(vllm_config),
+                                    vllm_config)
+
+    @classmethod
+    def get_gdn_mamba_state_dtype_from_config(cls, vllm_config):
+        return onepage_state_dtypes(super().get_gdn_mamba_state_dtype_from_config(vllm_config),
+                                    vllm_config)

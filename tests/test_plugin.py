@@ -1,0 +1,146 @@
+"""The plugin without an engine: import cost, entry point, mode validation, the one-page
+decision, and the page sizing the model classes hand to vLLM's platform."""
+import importlib.metadata
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from r9k import capacity as cap
+from r9k.tiny_model import make_tiny
+
+
+def test_import_r9k_is_light_and_fast():
+    code = ("import sys, time; t = time.perf_counter(); import r9k; dt = time.perf_counter() - t;"
+            "import json; print(json.dumps({'dt': dt, 'mods': sorted(sys.modules)}))")
+    out = json.loads(subprocess.check_output([sys.executable, "-c", code], text=True))
+    heavy = {"ray", "click", "vllm", "torch", "pydantic", "r9k.cli", "r9k.deploy", "r9k.ops",
+             "r9k.monitoring", "r9k.capacity"}
+    assert heavy.isdisjoint(out["mods"]), heavy & set(out["mods"])
+    assert out["dt"] < 0.2
+
+
+def test_entry_point_points_at_register():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ep = next(e for e in eps if e.name == "r9k")
+    assert ep.value == "r9k:register"
+    assert callable(ep.load())
+
+
+@pytest.mark.parametrize("value", ["one-page", "STOCKX", ""])
+def test_bad_mode_raises_naming_allowed_values(monkeypatch, value):
+    from r9k.plugin import register
+
+    monkeypatch.setenv("R9K_GDN_STATE", value)
+    with pytest.raises(ValueError, match="expected one of onepage, stock"):
+        register()
+
+
+def _cfg(**over):
+    text = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_num_key_heads=16, linear_num_value_heads=48)
+    base = dict(spec=3, mode="none", arch="Qwen3_5ForConditionalGeneration", tp=2, text=text)
+    base.update(over)
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=base["spec"]) if base["spec"]
+        else None,
+        cache_config=SimpleNamespace(mamba_cache_mode=base["mode"]),
+        model_config=SimpleNamespace(architecture=base["arch"], hf_text_config=base["text"]),
+        parallel_config=SimpleNamespace(tensor_parallel_size=base["tp"]))
+
+
+def test_onepage_decision_and_reasons(monkeypatch):
+    from r9k.policy import onepage_reason
+
+    monkeypatch.delenv("R9K_GDN_STATE", raising=False)
+    assert onepage_reason(_cfg()) is None
+    assert "speculative decoding is off" in onepage_reason(_cfg(spec=0))
+    assert "prefix caching is on (mamba_cache_mode='align')" in onepage_reason(_cfg(mode="align"))
+    assert "InternS2Mobius" in onepage_reason(_cfg(arch="InternS2Mobius"))
+    odd = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=80,
+                          linear_num_key_heads=16, linear_num_value_heads=48)
+    assert "value head dim 80" in onepage_reason(_cfg(text=odd))
+    assert "do not split over TP 32" in onepage_reason(_cfg(tp=32))
+    monkeypatch.setenv("R9K_GDN_STATE", "stock")
+    assert onepage_reason(_cfg()) == "R9K_GDN_STATE=stock"
+
+
+def test_version_guard(monkeypatch):
+    import vllm
+
+    from r9k.policy import onepage_reason
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    assert "vLLM 0.33.1 is not 0.32.x" in onepage_reason(_cfg())
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = tmp_path_factory.mktemp("m") / "tiny"
+    make_tiny(path)
+    return EngineArgs(model=str(path), max_model_len=4096, enable_prefix_caching=False,
+                      mamba_ssm_cache_dtype="float32",
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 7}
+                      ).create_engine_config(), path
+
+
+def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypatch):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from r9k.models.qwen3_next import OnePageQwen3NextForCausalLM as Model
+
+    cfg, path = vllm_config
+    monkeypatch.setenv("R9K_GDN_STATE", "onepage")
+    shapes = Model.get_mamba_state_shape_from_config(cfg)
+    dtypes = Model.get_mamba_state_dtype_from_config(cfg)
+    assert len(shapes) == len(dtypes) == 4
+    page = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
+    layout = cap.gdn_page_layout(cap.HybridModelShape.from_path(path), 1, 7, onepage=True,
+                                 state_dtype="float32")
+    assert page == layout.page_bytes
+    assert shapes[2] == (2, 8, layout.record_row_width)
+    monkeypatch.setenv("R9K_GDN_STATE", "stock")
+    stock = Model.get_mamba_state_shape_from_config(cfg)
+    assert len(stock) == 2
+    assert MambaSpec(shapes=stock, dtypes=Model.get_mamba_state_dtype_from_config(cfg),
+                     block_size=-1).page_size_bytes == cap.gdn_page_layout(
+        cap.HybridModelShape.from_path(path), 1, 7, onepage=False,
+        state_dtype="float32").page_bytes
+
+
+def test_qwen4exp_mixin_sizes_gdn_specs_through_the_same_path(vllm_config, monkeypatch):
+    """Qwen4Exp's module needs torchvision (absent here): test its mixin on a stand-in base."""
+    from r9k.models.sizing import OnePageGdnSizing, onepage_state_shapes
+
+    cfg, _ = vllm_config
+    monkeypatch.setenv("R9K_GDN_STATE", "onepage")
+
+    class Base:
+        @classmethod
+        def get_gdn_mamba_state_shape_from_config(cls, c):
+            return ((10, 512), (4, 64, 64))
+
+        @classmethod
+        def get_gdn_mamba_state_dtype_from_config(cls, c):
+            return ("bf16", "fp32")
+
+    class Model(OnePageGdnSizing, Base):
+        pass
+
+    assert Model.get_gdn_mamba_state_shape_from_config(cfg) == onepage_state_shapes(
+        ((10, 512), (4, 64, 64)), cfg)
+    assert len(Model.get_gdn_mamba_state_dtype_from_config(cfg)) == 4
+
+
+def test_every_onepage_architecture_is_registered():
+    from r9k.models import ARCHITECTURES
+    from r9k.policy import ONEPAGE_ARCHITECTURES
+
+    assert set(ARCHITECTURES) == set(ONEPAGE_ARCHITECTURES)
+    for target in ARCHITECTURES.values():
+        module, cls = target.split(":")
+        assert module.startswith("r9k.models.") and cls.startswith("OnePage")
