@@ -14,7 +14,7 @@ from r9k import capacity as cap
 from r9k.engine_runs import EngineRunError, EngineSpec, run
 from r9k.tiny_model import make_tiny
 
-from scenarios import scenarios
+from r9k.engine_scenarios import scenarios
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 

@@ -1,4 +1,4 @@
-"""Deterministic prompts and scenarios for the engine tests (shared by the tests and the demo)."""
+"""Deterministic prompts and engine scenarios shared by the engine tests and the benchmarks."""
 import random
 
 WORDS = ("alpha beta gamma delta page state record replay verify token block cache layer head "
