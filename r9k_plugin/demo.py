@@ -45,18 +45,25 @@ class Server:
     """One `vllm serve` process on loopback with its log captured to a file."""
 
     def __init__(self, model: Path, mode: str, num_spec: int, kv_bytes: int, max_len: int,
-                 log_path: Path) -> None:
+                 log_path: Path, *, max_num_seqs: int = 8, cpu_bind: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
                "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(kv_bytes),
-               "--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", "8",
+               "--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", str(max_num_seqs),
                "--mamba-ssm-cache-dtype", "float32", "--seed", "0",
                "--speculative-config", json.dumps({"method": "mtp",
-                                                    "num_speculative_tokens": num_spec})]
+                                                    "num_speculative_tokens": num_spec}),
+               *extra_args]
+        self.max_num_seqs = max_num_seqs
         env = dict(os.environ, R9K_GDN_STATE=mode)
+        if cpu_bind:
+            # engine and its OpenMP threads on these cpus only (benchmarks pin the client elsewhere)
+            cmd = ["taskset", "-c", cpu_bind, *cmd]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -1,0 +1,36 @@
+"""Local vLLM CPU replicas of the tiny model for the benchmark scripts and `r9k bench compare`."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Iterator
+
+from r9k.demo import Server
+
+
+def tiny_model(workdir: Path, seed: int = 0) -> Path:
+    from r9k.tiny_model import make_tiny
+    model = workdir / "tiny"
+    if not (model / "model.safetensors").exists():
+        workdir.mkdir(parents=True, exist_ok=True)
+        make_tiny(model, seed=seed)
+    return model
+
+
+@contextlib.contextmanager
+def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
+                  kv_bytes: int = 64 << 20, max_model_len: int = 4096, max_num_seqs: int = 8,
+                  cpu_bind: str | None = None, tag: str = "") -> Iterator[Server]:
+    """A started replica (stock or one-page pages); stopped on exit, however the block ends."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = Server(model, mode, num_spec, kv_bytes, max_model_len,
+                    workdir / f"vllm-{mode}{tag}.log", max_num_seqs=max_num_seqs,
+                    cpu_bind=cpu_bind)
+    t0 = time.monotonic()
+    try:
+        server.wait_ready()
+        server.ready_s = round(time.monotonic() - t0, 1)
+        yield server
+    finally:
+        server.stop()

