@@ -28,6 +28,9 @@ from r9k.deploy.placement import (Assignment, CardPool, PlacementError, ReplicaS
 log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
 FAULT_FROM_OPS = "ops: "
+# A plugin that did not load is usually a broken install (restarts will not help), but an
+# install being rewritten under a starting engine is transient: allow a couple of tries.
+MAX_PAGE_FAILURES = 3
 
 
 def default_run_dir() -> Path:
@@ -54,7 +57,8 @@ class Replica:
     ready_at: float | None = None
     health: ReadyHealth | None = None
     task: asyncio.Task | None = None      # launch / restart / drain in progress
-    page_failed: bool = False             # the plugin proof failed: restarting will not help
+    page_failures: int = 0                # consecutive failed page proofs
+    page_failed: bool = False             # proof failed MAX_PAGE_FAILURES times: no more restarts
     history: list[str] = field(default_factory=list)
 
     def event(self, text: str) -> None:
@@ -399,9 +403,11 @@ class FleetController(Backend):
         r.proof = prove_pages(log_text, num_blocks, self.plans[r.model.name], r.model.gdn_state,
                               block_size=metrics.block_size if metrics else None)
         if not r.proof.ok:
-            r.page_failed = True
+            r.page_failures += 1
+            r.page_failed = r.page_failures >= MAX_PAGE_FAILURES
             self._spawn(r, self._fail(r, f"page proof failed: {r.proof.reason}"))
             return
+        r.page_failures = 0
         r.state, r.reason, r.ready_at = "ready", r.proof.reason, time.monotonic()
         r.health = ReadyHealth(self.limits, r.ready_at)
         r.event(f"ready, {r.proof.page_mode} pages: {num_blocks} blocks (planner {r.proof.planned_blocks}), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ class Route:
     url: str
     outstanding: int = 0
     served: int = 0
+    last_pick: int = 0          # router's pick counter when this replica was last chosen
     api_key: str | None = field(default=None, repr=False)
 
 
@@ -43,9 +45,16 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+_picks = itertools.count(1)
+
+
 def pick(routes: list[Route]) -> Route | None:
-    """Least outstanding requests; ties go to the replica that has served fewer."""
-    return min(routes, key=lambda r: (r.outstanding, r.served, r.name), default=None)
+    """Least outstanding requests; ties go to the one chosen longest ago (a restarted replica
+    takes its turn at once, not after catching up a lifetime count)."""
+    route = min(routes, key=lambda r: (r.outstanding, r.last_pick, r.name), default=None)
+    if route is not None:
+        route.last_pick = next(_picks)
+    return route
 
 
 class EntryPoint:
@@ -64,8 +73,12 @@ class EntryPoint:
         self.app.on_cleanup.append(self._close)
 
     async def _open(self, _app) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=self.proxy_timeout_s, sock_connect=5), auto_decompress=False)
+        # No keep-alive upstream: a POST on a pooled connection the replica already closed fails
+        # with ServerDisconnected and is not retried; a fresh connection costs little next to a
+        # completion.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self.proxy_timeout_s, sock_connect=5), auto_decompress=False)
 
     async def _close(self, _app) -> None:
         if self.session:

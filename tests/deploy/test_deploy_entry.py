@@ -125,8 +125,8 @@ def test_least_outstanding_routing(env):
     other = {"m-0", "m-1"} - {slow_replica}
     assert set(quick) == other  # the busy replica gets nothing while the other is idle
     for r in env.table.all:
-        r.served = 0
-    # idle replicas tie on outstanding: the one that served fewer goes next, so they alternate
+        r.last_pick = 0
+    # idle replicas tie on outstanding: the one chosen longest ago goes next, so they alternate
     assert [post(env, {"model": "m"}).json()["replica"] for _ in range(6)] == ["m-0", "m-1"] * 3
 
 
