@@ -381,3 +381,39 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
     click.echo(json.dumps(result, indent=1, default=str) if as_json else md)
     if result["errors"]:
         raise SystemExit(1)
+
+
+@bench.command()
+@click.argument("stock_samples", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.argument("onepage_samples", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--metric", default="exact_match", show_default=True)
+@click.option("--filter", "filter_name", default="strict-match", show_default=True,
+              help="lm-eval filter to compare ('' for all)")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def paired(stock_samples: Path, onepage_samples: Path, metric: str, filter_name: str,
+           alpha: float, as_json: bool) -> None:
+    """Exact McNemar test on two lm-eval sample logs (stock vs one-page, same questions);
+    exit 1 when the accuracies differ significantly or the questions do not pair."""
+    from r9k.bench.paired import load_samples, paired_test
+    try:
+        a = load_samples(stock_samples, metric, filter_name or None)
+        b = load_samples(onepage_samples, metric, filter_name or None)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    res = paired_test(a, b, alpha)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+    else:
+        click.echo(f"{res['paired']} paired questions: stock {res['accuracy_a']:.2%}, one-page "
+                   f"{res['accuracy_b']:.2%}; only stock right {res['only_a_right']}, only "
+                   f"one-page right {res['only_b_right']}; identical answers "
+                   f"{res['identical_answers']}; exact McNemar p = {res['mcnemar_exact_p']:.4g}")
+        if res["unpaired_a"] or res["unpaired_b"]:
+            click.echo(f"unpaired: {res['unpaired_a']} only in stock, {res['unpaired_b']} only in "
+                       f"one-page (run both on the same task and limit)", err=True)
+        click.echo("SIGNIFICANT DIFFERENCE" if res["significant"] else
+                   f"no significant difference at alpha {alpha}")
+    if res["significant"] or res["unpaired_a"] or res["unpaired_b"]:
+        raise SystemExit(1)
