@@ -9,13 +9,10 @@ answers under overload, so the one-page run also checks bit-identity with stock.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from r9k.bench.replica import local_replica, tiny_model
+from r9k.bench.replica import local_replica, run_recorded, tiny_model
 
 ROOT = Path(__file__).resolve().parent
 R9K = str(Path(sys.executable).with_name("r9k"))
@@ -51,15 +48,8 @@ def main() -> int:
                         "--save-calibration", str(calibration)]
             else:
                 cmd += ["--calibration", str(calibration)]
-            print("$", shlex.join(cmd), flush=True)
-            rc |= subprocess.call(cmd)
-            kv = server.kv_tokens()
-        data = json.loads(out.read_text())
-        data["replica"] = {"mode": mode, "num_spec": 3, "max_num_seqs": a.max_num_seqs,
-                           "engine_cpus": a.engine_cpus, "kv_cache_tokens": kv,
-                           "ready_s": server.ready_s}
-        data["command"] = shlex.join(["r9k", *cmd[1:]])
-        out.write_text(json.dumps(data, indent=1) + "\n")
+            rc |= run_recorded(cmd, out, server, mode=mode, num_spec=3,
+                               engine_cpus=a.engine_cpus)
     return rc
 
 

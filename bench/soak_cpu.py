@@ -7,13 +7,10 @@ Runs the `r9k bench soak` CLI as a user would; writes bench/results/soak_cpu_<mo
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from r9k.bench.replica import local_replica, tiny_model
+from r9k.bench.replica import local_replica, run_recorded, tiny_model
 
 ROOT = Path(__file__).resolve().parent
 R9K = str(Path(sys.executable).with_name("r9k"))
@@ -37,15 +34,7 @@ def main() -> int:
                "--duration", str(a.duration), "--min-tokens", "16",
                "--max-output-tokens", str(a.max_output_tokens), "--pid", str(server.proc.pid),
                "--client-cpus", a.client_cpus, "--out", str(out)]
-        print("$", shlex.join(cmd), flush=True)
-        rc = subprocess.call(cmd)
-        kv = server.kv_tokens()
-    data = json.loads(out.read_text())
-    data["replica"] = {"mode": a.mode, "num_spec": 3, "max_num_seqs": server.max_num_seqs,
-                       "engine_cpus": a.engine_cpus, "kv_cache_tokens": kv,
-                       "ready_s": server.ready_s}
-    data["command"] = shlex.join(["r9k", *cmd[1:]])
-    out.write_text(json.dumps(data, indent=1) + "\n")
+        rc = run_recorded(cmd, out, server, mode=a.mode, num_spec=3, engine_cpus=a.engine_cpus)
     return rc
 
 

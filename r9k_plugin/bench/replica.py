@@ -34,3 +34,22 @@ def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
         yield server
     finally:
         server.stop()
+
+
+def run_recorded(cmd: list[str], out: Path, server: Server, **replica: object) -> int:
+    """Run an `r9k bench` command line against `server`, then add the replica (mode, cpus, its
+    logged KV capacity) and the command, as a user would type it, to the JSON it wrote."""
+    import json
+    import shlex
+    import subprocess
+
+    print("$", shlex.join(cmd), flush=True)
+    rc = subprocess.call(cmd)
+    if out.exists():
+        data = json.loads(out.read_text())
+        data["replica"] = {**replica, "max_num_seqs": server.max_num_seqs,
+                           "kv_cache_tokens": server.kv_tokens(),
+                           "ready_s": getattr(server, "ready_s", None)}
+        data["command"] = shlex.join(["r9k", *cmd[1:]])
+        out.write_text(json.dumps(data, indent=1) + "\n")
+    return rc
