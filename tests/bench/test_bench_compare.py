@@ -72,3 +72,14 @@ def test_compare_bad_inputs_exit_2():
                         (["--engine-cpus", "9999"], "not available")):
         r = CliRunner().invoke(main, ["bench", "compare", *args])
         assert r.exit_code == 2 and words in r.output, (args, r.output)
+
+
+def test_partial_results_aggregate_only_paired_repeats(tmp_path):
+    from r9k.bench.compare import plot
+    w = Workload([1, 4], 8, 16, 8)
+    runs = [{"repeat": 0, "mode": "stock", "levels": [level(1, 100, 0.1), level(4, 300, 0.2)]}]
+    agg = aggregate(runs, w)
+    assert agg["by_concurrency"][0]["throughput_ratio_onepage_over_stock"]["n"] == 0
+    res = {"workload": w.__dict__, "repeats": 2, **agg}
+    assert "| 1 |" not in markdown(res)
+    assert plot(res, tmp_path / "p.png") is False
