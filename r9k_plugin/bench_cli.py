@@ -166,8 +166,8 @@ def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str 
     else:
         lat = summary["latency_s"]
         click.echo(f"sanity: {summary['requests_sent']}/{n_requests} sent, {summary['ok']} ok, "
-                   f"{summary['bad']} bad, {summary['errors']} errors, {summary['rejected']} "
-                   f"rejected; {summary['requests_per_s']} req/s; latency p50 "
+                   f"{summary['bad']} bad, {summary['errors']} errors {summary['errors_by_kind'] or ''}, "
+                   f"{summary['rejected']} rejected; {summary['requests_per_s']} req/s; latency p50 "
                    f"{_fmt_s(lat.get('p50'))} p99 {_fmt_s(lat.get('p99'))}")
         if summary["stopped_early"]:
             click.echo(f"stopped early: {summary['stopped_early']}", err=True)

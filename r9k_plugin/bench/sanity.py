@@ -194,6 +194,13 @@ def check_answer(expected: KnownAnswer, r: RequestResult) -> str | None:
     return None if r.text == expected.text else f"expected text {expected.text!r}, got {r.text!r}"
 
 
+def _count_kinds(errors: list[dict]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for e in errors:
+        kinds[e.get("error_kind", "unknown")] = kinds.get(e.get("error_kind", "unknown"), 0) + 1
+    return kinds
+
+
 def run_sanity(base: str, model: str, answers: list[KnownAnswer], *, requests: int,
                concurrency: int, timeout_s: float = 600, seed: int = 0,
                progress: bool = True, report: Callable[[str], None] = print,
@@ -219,6 +226,8 @@ def run_sanity(base: str, model: str, answers: list[KnownAnswer], *, requests: i
             errors.append(r.public())
             if len(errors) <= 20:
                 report(f"ERROR request {r.index}: {r.error_kind}: {r.message}")
+            elif len(errors) == 21:
+                report("... further errors are counted, not printed (all kinds in the summary)")
             return
         why = check_answer(answers[r.extra["answer"]], r)
         if why is None:
@@ -252,6 +261,7 @@ def run_sanity(base: str, model: str, answers: list[KnownAnswer], *, requests: i
         "answer_tokens": summarize([answers[i].max_tokens for i in order], (50,)),
         "distinct_prompts": len(answers), "wall_s": round(wall, 2),
         "requests_per_s": round(len(results) / wall, 2) if wall else None,
+        "errors_by_kind": _count_kinds(errors),
         "latency_s": summarize(lat), "stopped_early": stop_reason,
         "bad_answers": bad, "error_samples": errors[:50],
         "passed": counts["bad"] == 0 and counts["error"] == 0 and counts["rejected"] == 0

@@ -68,6 +68,7 @@ def test_non_json_answers_are_errors_with_kind(fake, tmp_path):
     s = json.loads(out.read_text())
     assert s["errors"] == 20 and s["ok"] == 0
     assert {e["error_kind"] for e in s["error_samples"]} == {"non_json"}
+    assert s["errors_by_kind"] == {"non_json": 20}
     assert "answer is not JSON" in r.output
 
 
