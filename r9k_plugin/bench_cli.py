@@ -184,7 +184,7 @@ def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str 
 @click.option("--min-tokens", type=click.IntRange(1), default=16, show_default=True,
               help="shortest prompt (tokens, counted as characters)")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
-              help="longest prompt; default: 5%% past the endpoint's max_model_len, so some "
+              help="longest prompt; default: 5% past the endpoint's max_model_len, so some "
               "prompts are rejected by design")
 @click.option("--max-output-tokens", type=click.IntRange(1), default=64, show_default=True,
               help="each request asks for 1..this many tokens")

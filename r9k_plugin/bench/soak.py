@@ -69,7 +69,7 @@ def run_soak(base: str, model: str, *, clients: int, duration_s: float, min_toke
         return payload, {"fits": fits, "max_tokens": out}
 
     bar = tqdm(total=int(duration_s), desc=f"soak x{clients}", unit="s", disable=not progress,
-               bar_format="{l_bar}{bar}| {n}/{total} s {postfix}")
+               bar_format="{l_bar}{bar}| {n}/{total} s{postfix}")
     counts = {"served": 0, "rejected_by_design": 0, "errors": 0}
     last_checkpoint = [time.monotonic()]
 
