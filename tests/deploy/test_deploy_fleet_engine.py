@@ -174,7 +174,7 @@ def test_killed_replica_is_restarted_and_requests_keep_being_served(fleet):
     r0 = replica(st, "tiny-0")
     assert codes and set(codes) == {200}  # the other replica took the traffic
     assert any("engine process exited with -9" in h for h in r0["history"]), r0["history"]
-    assert r0["pid"] != before["pid"] and r0["cards"] == before["cards"] and r0["restarts"] == 1
+    assert r0["pid"] != before["pid"] and r0["cards"] == before["cards"] and r0["restarts"] >= 1
     assert r0["page_mode"] == "onepage" and r0["kv"]["kv_cache_tokens"] == plan().onepage.tokens
     served = {complete(fleet, f"after {i}").headers["X-R9k-Replica"] for i in range(4)}
     assert served == {"tiny-0", "tiny-1"}
@@ -200,15 +200,18 @@ def test_hung_engine_is_detected_by_token_progress_and_restarted(fleet):
         except requests.RequestException as exc:
             hung["resp"] = type(exc).__name__
 
-    threading.Thread(target=stuck_request, daemon=True).start()
+    # least outstanding spreads 4 concurrent requests 2/2: tiny-1's two hang
+    for _ in range(4):
+        threading.Thread(target=stuck_request, daemon=True).start()
     time.sleep(1)
+    assert replica(status(fleet), "tiny-1")["outstanding"] >= 1
     assert requests.get(before["url"] + "/health", timeout=5).status_code == 200
     st = wait_until(fleet, lambda s: replica(s, "tiny-1")["restarts"] > before["restarts"]
                     or replica(s, "tiny-1")["state"] == "unhealthy", 60)
     detected_s = time.monotonic() - t_stop
     r1 = replica(st, "tiny-1")
     assert any("hung:" in h and "no new token" in h for h in r1["history"]), r1["history"]
-    assert PROGRESS_TIMEOUT_S < detected_s < PROGRESS_TIMEOUT_S + 15, detected_s
+    assert PROGRESS_TIMEOUT_S < detected_s < PROGRESS_TIMEOUT_S + 25, detected_s
     assert complete(fleet, max_tokens=4).status_code == 200  # tiny-0 serves meanwhile
     st = wait_until(fleet, lambda s: replica(s, "tiny-1")["state"] == "ready"
                     and replica(s, "tiny-1")["starts"] == before["starts"] + 1, 180)
