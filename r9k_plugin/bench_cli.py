@@ -232,8 +232,7 @@ def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | 
         raise BadInput(f"--max-tokens {max_tokens} < --min-tokens {min_tokens}: expected a range")
     sampler = None
     if pid is not None:
-        def read() -> int:
-            return mem.process_tree_rss_bytes(pid, host_root)
+        read = mem.ProcessTreeRss(pid, host_root)
         source = f"RSS of process {pid} and its children ({host_root}proc)"
     elif memory_url is not None:
         def read() -> int:
@@ -256,6 +255,8 @@ def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | 
                        progress=not quiet, report=lambda line: click.echo(line, err=True),
                        plateau_args=plateau_args,
                        checkpoint=(lambda s: write_summary(out, s)) if out else None)
+    if isinstance(read, mem.ProcessTreeRss):
+        summary["memory"]["growth_by_process"] = read.growth_by_process()
     if out:
         write_summary(out, summary)
     if as_json:

@@ -34,9 +34,9 @@ def process_tree(pid: int, host_root: Path = Path("/")) -> list[int]:
     return tree
 
 
-def process_tree_rss_bytes(pid: int, host_root: Path = Path("/")) -> int:
-    """Sum of VmRSS over the tree; MemorySourceError when `pid` itself is gone."""
-    total = 0
+def process_tree_rss_by_process(pid: int, host_root: Path = Path("/")) -> dict[str, int]:
+    """VmRSS per process of the tree, keyed '<pid> <name>'; MemorySourceError when `pid` is gone."""
+    out: dict[str, int] = {}
     for p in process_tree(pid, host_root):
         try:
             status = (host_root / "proc" / str(p) / "status").read_text()
@@ -45,9 +45,38 @@ def process_tree_rss_bytes(pid: int, host_root: Path = Path("/")) -> int:
                 raise MemorySourceError(f"process {pid} is gone (no {host_root}/proc/{pid}/status)") from None
             continue
         m = re.search(r"^VmRSS:\s+(\d+)\s+kB", status, re.M)
+        name = re.search(r"^Name:\s*(.*)$", status, re.M)
         if m:
-            total += int(m.group(1)) * 1024
-    return total
+            out[f"{p} {name.group(1).strip() if name else '?'}"] = int(m.group(1)) * 1024
+    return out
+
+
+def process_tree_rss_bytes(pid: int, host_root: Path = Path("/")) -> int:
+    """Sum of VmRSS over the tree; MemorySourceError when `pid` itself is gone."""
+    return sum(process_tree_rss_by_process(pid, host_root).values())
+
+
+class ProcessTreeRss:
+    """A sampler source that also keeps the first and latest per-process breakdown, so a
+    report can say which process of a replica grew."""
+
+    def __init__(self, pid: int, host_root: Path = Path("/")) -> None:
+        self.pid, self.host_root = pid, host_root
+        self.first: dict[str, int] | None = None
+        self.last: dict[str, int] | None = None
+
+    def __call__(self) -> int:
+        by_process = process_tree_rss_by_process(self.pid, self.host_root)
+        if self.first is None:
+            self.first = by_process
+        self.last = by_process
+        return sum(by_process.values())
+
+    def growth_by_process(self) -> list[dict]:
+        first, last = self.first or {}, self.last or {}
+        return [{"process": k, "first_bytes": first.get(k), "last_bytes": last.get(k),
+                 "growth_bytes": (last[k] - first[k]) if k in first and k in last else None}
+                for k in sorted(set(first) | set(last))]
 
 
 def prometheus_gauge_bytes(url: str, metric: str, label_filter: dict[str, str] | None = None,

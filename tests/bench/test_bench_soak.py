@@ -13,7 +13,8 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_openai import FakeOpenAI  # noqa: E402
 
-from r9k.bench.memory import MemorySourceError, process_tree, process_tree_rss_bytes  # noqa: E402
+from r9k.bench.memory import (MemorySourceError, ProcessTreeRss, process_tree,  # noqa: E402
+                              process_tree_rss_bytes)
 from r9k.cli import main  # noqa: E402
 
 
@@ -44,6 +45,12 @@ def test_process_tree_rss_sums_the_replica_and_its_children_only(tmp_path):
                                 200: (1, "other", 5000)})
     assert sorted(process_tree(100, root)) == [100, 101, 102]
     assert process_tree_rss_bytes(100, root) == 6000 * 1024
+    src = ProcessTreeRss(100, root)
+    assert src() == 6000 * 1024
+    (root / "proc" / "102" / "status").write_text("Name:\tVLLM::Worker) x\nVmRSS:\t3500 kB\n")
+    assert src() == 6500 * 1024
+    growth = {g["process"]: g["growth_bytes"] for g in src.growth_by_process()}
+    assert growth == {"100 python -m vllm (api)": 0, "101 VLLM::EngineCore": 0, "102 VLLM::Worker) x": 500 * 1024}
     with pytest.raises(MemorySourceError, match="process 555 is gone"):
         process_tree_rss_bytes(555, root)
 
@@ -63,6 +70,7 @@ def test_mixed_soak_counts_over_length_as_rejected_by_design(fake, tmp_path):
     m = s["memory"]
     assert m["verdict"] == "flat" and m["samples"] >= 20 and "RSS of process" in m["source"]
     assert "rejected by design" in r.output and "memory flat" in r.output
+    assert any(g["process"].startswith(f"{os.getpid()} ") for g in m["growth_by_process"])
 
 
 def test_growing_gauge_fails_the_memory_verdict(fake, tmp_path):
