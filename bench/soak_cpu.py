@@ -24,17 +24,23 @@ def main() -> int:
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--engine-cpus", default="0")
     ap.add_argument("--client-cpus", default="1")
+    ap.add_argument("--preload", default=None,
+                    help="LD_PRELOAD for the replica, e.g. a jemalloc or tcmalloc .so")
+    ap.add_argument("--tag", default="", help="suffix of the result file name")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/r9k-bench"))
     ap.add_argument("--results", type=Path, default=ROOT / "results")
     a = ap.parse_args()
     model = tiny_model(a.workdir)
-    out = a.results / f"soak_cpu_{a.mode}.json"
-    with local_replica(model, a.mode, a.workdir, cpu_bind=a.engine_cpus, tag="-soak") as server:
+    out = a.results / f"soak_cpu_{a.mode}{a.tag}.json"
+    env = {"LD_PRELOAD": a.preload} if a.preload else None
+    with local_replica(model, a.mode, a.workdir, cpu_bind=a.engine_cpus, tag="-soak" + a.tag,
+                       env=env) as server:
         cmd = [R9K, "bench", "soak", "--endpoint", server.url, "--clients", str(a.clients),
                "--duration", str(a.duration), "--min-tokens", "16",
                "--max-output-tokens", str(a.max_output_tokens), "--pid", str(server.proc.pid),
                "--client-cpus", a.client_cpus, "--out", str(out)]
-        rc = run_recorded(cmd, out, server, mode=a.mode, num_spec=3, engine_cpus=a.engine_cpus)
+        rc = run_recorded(cmd, out, server, mode=a.mode, num_spec=3, engine_cpus=a.engine_cpus,
+                          ld_preload=a.preload)
     return rc
 
 

@@ -275,7 +275,7 @@ def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | 
                        f"{m['trend_growth_bytes'] / MIB:+.1f} MiB, tolerance "
                        f"{m['tolerance_bytes'] / MIB:.1f} MiB ({m['criterion']})")
         else:
-            click.echo(f"memory: {m['verdict']}")
+            click.echo(f"memory: {m['verdict']}" + (f" ({m['errors'][-1]})" if m.get("errors") else ""))
         if summary["stopped_early"]:
             click.echo(f"stopped early: {summary['stopped_early']}", err=True)
         click.echo("PASSED" if summary["passed"] else "FAILED")

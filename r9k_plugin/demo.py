@@ -46,7 +46,7 @@ class Server:
 
     def __init__(self, model: Path, mode: str, num_spec: int, kv_bytes: int, max_len: int,
                  log_path: Path, *, max_num_seqs: int = 8, cpu_bind: str | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -59,7 +59,7 @@ class Server:
                                                     "num_speculative_tokens": num_spec}),
                *extra_args]
         self.max_num_seqs = max_num_seqs
-        env = dict(os.environ, R9K_GDN_STATE=mode)
+        env = dict(os.environ, R9K_GDN_STATE=mode, **(extra_env or {}))
         if cpu_bind:
             # engine and its OpenMP threads on these cpus only (benchmarks pin the client elsewhere)
             cmd = ["taskset", "-c", cpu_bind, *cmd]

@@ -44,6 +44,8 @@ def process_tree_rss_by_process(pid: int, host_root: Path = Path("/")) -> dict[s
             if p == pid:
                 raise MemorySourceError(f"process {pid} is gone (no {host_root}/proc/{pid}/status)") from None
             continue
+        if p == pid and re.search(r"^State:\s+[ZX]", status, re.M):
+            raise MemorySourceError(f"process {pid} is gone (exited, not yet reaped)")
         m = re.search(r"^VmRSS:\s+(\d+)\s+kB", status, re.M)
         name = re.search(r"^Name:\s*(.*)$", status, re.M)
         if m:

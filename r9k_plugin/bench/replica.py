@@ -21,12 +21,13 @@ def tiny_model(workdir: Path, seed: int = 0) -> Path:
 @contextlib.contextmanager
 def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
                   kv_bytes: int = 64 << 20, max_model_len: int = 4096, max_num_seqs: int = 8,
-                  cpu_bind: str | None = None, tag: str = "") -> Iterator[Server]:
+                  cpu_bind: str | None = None, tag: str = "",
+                  env: dict[str, str] | None = None) -> Iterator[Server]:
     """A started replica (stock or one-page pages); stopped on exit, however the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
     server = Server(model, mode, num_spec, kv_bytes, max_model_len,
                     workdir / f"vllm-{mode}{tag}.log", max_num_seqs=max_num_seqs,
-                    cpu_bind=cpu_bind)
+                    cpu_bind=cpu_bind, extra_env=env)
     t0 = time.monotonic()
     try:
         server.wait_ready()

@@ -138,6 +138,9 @@ def summarize_soak(results: list[RequestResult], stop_reason: str | None,
                   "errors": sampler.errors,
                   **memory_plateau(sampler.samples, **(plateau_args or {})),
                   "samples_t_s_bytes": list(sampler.samples)}
+        if any("is gone" in e for e in sampler.errors):
+            # the sampled process died or restarted: what is left says nothing about a plateau
+            memory.update(verdict="source_lost", flat=None)
     served_tokens = sum(r.completion_tokens or 0 for r in ok)
     return {
         "partial": partial, "wall_s": round(wall, 1), "requests_sent": len(results),
@@ -153,7 +156,7 @@ def summarize_soak(results: list[RequestResult], stop_reason: str | None,
         "memory": memory,
         "error_samples": [r.public() for r in errors[:50]],
         "passed": (not partial and not errors and stop_reason is None
-                   and memory.get("flat") is not False),
+                   and memory.get("flat") is not False and memory["verdict"] != "source_lost"),
     }
 
 

@@ -105,3 +105,19 @@ def test_soak_bad_inputs_exit_2(fake, tmp_path):
     for extra, words in cases:
         r = run("--endpoint", fake.url, "--duration", "1", "--quiet", *extra)
         assert r.exit_code == 2 and words in r.output, (extra, r.output)
+
+
+def test_sampled_process_dying_makes_the_memory_verdict_source_lost(fake, tmp_path):
+    import subprocess
+    import threading
+    victim = subprocess.Popen(["sleep", "60"])
+    threading.Timer(1.0, victim.kill).start()
+    out = tmp_path / "soak.json"
+    r = run("--endpoint", fake.url, "--clients", "2", "--duration", "3", "--min-tokens", "8",
+            "--max-tokens", "64", "--max-output-tokens", "4", "--pid", str(victim.pid),
+            "--sample-interval", "0.1", "--quiet", "--out", str(out))
+    victim.wait()
+    s = json.loads(out.read_text())
+    assert r.exit_code == 1 and s["errors"] == 0
+    assert s["memory"]["verdict"] == "source_lost" and s["passed"] is False
+    assert f"process {victim.pid} is gone" in r.output
