@@ -48,6 +48,7 @@ def main() -> int:
     lines += ["## Sanity under overload", "",
               "| replica | sent | ok | bad | errors | distinct prompts | req/s | latency p50 / p99 |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    commands = []
     for mode in ("stock", "onepage"):
         s = load(f"sanity_cpu_{mode}.json")
         if s:
@@ -55,11 +56,9 @@ def main() -> int:
             lines.append(f"| {mode} | {s['requests_sent']} | {s['ok']} | {s['bad']} | {s['errors']} | "
                          f"{s['distinct_prompts']} | {s['requests_per_s']} | "
                          f"{lat['p50']:.2f} s / {lat['p99']:.2f} s |")
-            lines.append("")
-            cmd = s.get("command")
-            if cmd:
-                lines[-1] = f"<!-- {mode}: {cmd} -->"
-    for mode in ("onepage", "stock"):
+            commands.append(f"- {mode}: `{s.get('command', '')}`")
+    lines += ["", *commands]
+    for mode in ("onepage", "stock", "onepage_jemalloc", "onepage_jemalloc_10min"):
         k = load(f"soak_cpu_{mode}.json")
         if not k:
             continue
@@ -78,6 +77,13 @@ def main() -> int:
                   f"peak growth {m['peak_growth_bytes'] / MIB:+.1f} MiB, trend {m['trend_growth_bytes'] / MIB:+.1f} MiB, "
                   f"tolerance {m['tolerance_bytes'] / MIB:.1f} MiB",
                   f"- criterion: {m['criterion']}"]
+        growth = m.get("growth_by_process")
+        if growth:
+            lines.append("- RSS growth by process (first to last sample): " + ", ".join(
+                f"{g['process']} {g['growth_bytes'] / MIB:+.0f} MiB" for g in growth
+                if g["growth_bytes"] is not None))
+        if k.get("replica", {}).get("ld_preload"):
+            lines.append(f"- replica started with LD_PRELOAD={k['replica']['ld_preload']}")
         if soak_plot(k, RESULTS / f"soak_cpu_{mode}_memory.png"):
             lines.append(f"- ![memory](soak_cpu_{mode}_memory.png)")
     cmp_md = RESULTS / "compare_cpu_tiny.md"
