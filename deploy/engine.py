@@ -19,11 +19,11 @@ from pathlib import Path
 from r9k import capacity
 from r9k.deploy.config import RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
 from r9k.deploy.placement import Assignment
+from r9k.engine_runs import KV_LINE
 from r9k.policy import GDN_STATE_ENV
 
 ONEPAGE_LINE = re.compile(r"r9k: one-page GDN state pages")
 STOCK_LINE = re.compile(r"r9k: stock GDN state pages: (.*)")
-KV_TOKENS_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 # R9K_* is not among the prefixes vLLM's Ray executor copies to its workers.
 RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
@@ -95,7 +95,7 @@ def prove_pages(log_text: str, num_blocks: int | None, plan: capacity.CapacityPl
                 wanted: str, block_size: int | None = None) -> PageProof:
     onepage_lines = len(ONEPAGE_LINE.findall(log_text))
     stock = STOCK_LINE.findall(log_text)
-    m = KV_TOKENS_LINE.search(log_text)
+    m = KV_LINE.search(log_text)
     tokens = int(m.group(1).replace(",", "")) if m else None
     blocks = {"stock": plan.stock.num_blocks, "onepage": plan.onepage.num_blocks}
     planned_tokens = {"stock": plan.stock.tokens, "onepage": plan.onepage.tokens}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,8 +22,8 @@ from pathlib import Path
 import click
 
 from r9k import capacity as cap
+from r9k.engine_runs import KV_LINE
 
-KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 PROMPTS = ["The state of the page is", "Replay the accepted rows", "Hello, R9700 fleet!"]
 
 
