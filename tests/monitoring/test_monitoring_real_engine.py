@@ -23,7 +23,7 @@ KV_BYTES, MAX_LEN, K = 64 << 20, 4096, 3
 
 
 def _stream_long_request(url: str, stop: threading.Event) -> None:
-    body = json.dumps({"model": "tiny", "prompt": "monitoring " * 20, "max_tokens": 3000,
+    body = json.dumps({"model": "tiny", "prompt": "monitoring " * 20, "max_tokens": 3800,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
@@ -74,10 +74,16 @@ def test_real_engine_replica(tmp_path):
             per_request = capacity.pinned_fraction(
                 1, num_blocks=plan.onepage.num_blocks, num_gdn_groups=plan.onepage.num_gdn_groups,
                 num_attention_groups=plan.onepage.num_attention_groups, gdn_pages_per_request=1)
-            ratio = api.value('sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
-                              'sum(r9k_replica_requests_running{replica="cpu0"})')
+
+            def ratio_while_running():
+                res = api.query('sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
+                                '(sum(r9k_replica_requests_running{replica="cpu0"}) > 0)')
+                return float(res[0]["value"][1]) if res else None
+
+            ratio = api.wait("the pinned share while requests run", ratio_while_running,
+                             timeout_s=60)
             assert ratio == pytest.approx(per_request["total"])
-            assert api.value('vllm:num_requests_running{job="vllm"}') >= 1
+            assert api.value('max_over_time(vllm:num_requests_running{job="vllm"}[5m])') >= 1
     finally:
         stop.set()
         if exporter is not None:
