@@ -31,13 +31,19 @@ DASHBOARD_SUBSTITUTIONS = {"$__rate_interval": "5s", "$__range": "1h", "$instanc
                            "$replica": ".*"}
 
 
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
+def prometheus_tool(name: str) -> str:
+    """Debian's `prometheus` or `promtool`: a missing one fails the test (the repo's setup
+    installs it), unless R9K_SKIP_PROMETHEUS=1 asks to skip."""
+    path = shutil.which(name)
     if path is None:
         if os.environ.get("R9K_SKIP_PROMETHEUS") == "1":
-            pytest.skip("prometheus not installed and R9K_SKIP_PROMETHEUS=1")
-        pytest.fail("prometheus not found: install Debian's prometheus package (bash scripts/ci-system-deps.sh)")
+            pytest.skip(f"{name} not installed and R9K_SKIP_PROMETHEUS=1")
+        pytest.fail(f"{name} not found: install Debian's prometheus package (bash scripts/ci-system-deps.sh)")
     return path
+
+
+def prometheus_binary() -> str:
+    return prometheus_tool("prometheus")
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@ Grafana dashboards and provisioning: valid, and naming only metrics the exporter
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r9k.monitoring.exporter import build_collector, build_registry, render
 from r9k.monitoring.fixtures import FakeFleet, FakeReplica, build_monitored_host
 from r9k.tiny_model import build_config
+from test_monitoring_prometheus import prometheus_tool
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 ALERTS = MONITORING / "alerts"
@@ -25,12 +25,7 @@ DASHBOARDS = sorted((MONITORING / "grafana").glob("*.json"))
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("R9K_SKIP_PROMETHEUS") == "1":
-            pytest.skip("promtool not installed and R9K_SKIP_PROMETHEUS=1")
-        pytest.fail("promtool not found: install Debian's prometheus package (bash scripts/ci-system-deps.sh)")
-    return path
+    return prometheus_tool("promtool")
 
 
 def run_promtool(*args: str, cwd: Path = ALERTS) -> subprocess.CompletedProcess:
