@@ -14,6 +14,7 @@ What one-page changes in the layer:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -100,11 +101,8 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         spec = super().get_kv_cache_spec(vllm_config)
         if not self.onepage or not isinstance(spec, MambaSpec):
             return spec
-        return MambaSpec(
-            shapes=spec.shapes, dtypes=spec.dtypes, block_size=spec.block_size,
-            page_size_padded=spec.page_size_padded, mamba_type=spec.mamba_type,
-            tp_replicated=spec.tp_replicated, mamba_cache_mode=spec.mamba_cache_mode,
-            num_speculative_blocks=0)
+        # every other field as stock built it; only the extra per-candidate pages go
+        return dataclasses.replace(spec, num_speculative_blocks=0)
 
     def get_attn_backend(self):
         return OnePageGDNAttentionBackend if self.onepage else super().get_attn_backend()
