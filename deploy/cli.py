@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from r9k.cli import BadInput
+from r9k.errors import BadInput
 
 RUN_DIR_HELP = "controller file and logs [env R9K_FLEET_RUN_DIR; default ~/.local/state/r9k/fleet]"
 
@@ -36,7 +36,7 @@ def _load(config: str):
     for m in cfg.models:
         path = m.resolved_path(cfg.base_dir)
         if m.generate_tiny and not (path / "config.json").exists():
-            from r9k.tiny_model import make_tiny
+            from r9k.devtools.tiny_model import make_tiny
 
             make_tiny(path, seed=0)
             click.echo(f"generated the tiny model in {path}", err=True)

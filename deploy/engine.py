@@ -19,7 +19,7 @@ from pathlib import Path
 from r9k import capacity
 from r9k.deploy.config import RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
 from r9k.deploy.placement import Assignment
-from r9k.engine_runs import KV_LINE
+from r9k.devtools.engine_runs import KV_LINE
 from r9k.policy import GDN_STATE_ENV
 
 ONEPAGE_LINE = re.compile(r"r9k: one-page GDN state pages")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from r9k.cli import BadInput
+from r9k.errors import BadInput
 from r9k.ops.config import DEFAULT_CONFIG_PATH
 from r9k.ops.state import DEFAULT_STATE_DIR
 

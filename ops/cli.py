@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from r9k.cli import BadInput
+from r9k.errors import BadInput
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 

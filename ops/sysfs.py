@@ -1,7 +1,7 @@
 """sysfs access for amdgpu cards: discovery, power cap (microwatts) and voltage offset (mV).
 
 Every path is resolved under a host root (default ``/``) so the same code runs on a host and on
-a fixture tree (:mod:`r9k.ops.fixtures`). Cards are keyed by PCI address (BDF): ``cardN`` and
+a fixture tree (:mod:`doubles.ops_host`). Cards are keyed by PCI address (BDF): ``cardN`` and
 ``hwmonM`` numbers are not stable across boots.
 """
 from __future__ import annotations

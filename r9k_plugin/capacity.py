@@ -117,13 +117,16 @@ class HybridModelShape:
         return override or self.mamba_ssm_dtype or self.dtype
 
 
-def _preset_tiny() -> dict[str, Any]:
-    from r9k.tiny_model import build_config  # the generator's defaults are the preset
+# The tiny model's shape (`r9k model make-tiny` builds its config.json on these fields).
+TINY_SHAPE: dict[str, Any] = {
+    "num_hidden_layers": 4, "full_attention_interval": 4, "hidden_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
+    "num_nextn_predict_layers": 1,
+}
 
-    return build_config()
-
-
-PRESETS: dict[str, Any] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-27b": {
         "num_hidden_layers": 64, "full_attention_interval": 4, "hidden_size": 5120,
         "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
@@ -138,7 +141,7 @@ PRESETS: dict[str, Any] = {
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
         "num_nextn_predict_layers": 1,
     },
-    "tiny": _preset_tiny,
+    "tiny": TINY_SHAPE,
 }
 
 
@@ -146,8 +149,7 @@ def preset(name: str) -> HybridModelShape:
     if name not in PRESETS:
         raise CapacityInputError(
             f"unknown preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
-    cfg = PRESETS[name]
-    return HybridModelShape.from_config(cfg() if callable(cfg) else cfg, name=name)
+    return HybridModelShape.from_config(PRESETS[name], name=name)
 
 
 # --- page layout (shared with the plugin, which sizes real pages from these) -----------------

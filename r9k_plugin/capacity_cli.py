@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from r9k import capacity as cap
-from r9k.cli import BadInput
+from r9k.errors import BadInput
 
 GIB = 1 << 30
 

@@ -13,12 +13,12 @@ import click
 # name -> "module:attribute" of a click command or group; each component owns its entry.
 SUBCOMMANDS: dict[str, str] = {
     "capacity": "r9k.capacity_cli:capacity",
-    "model": "r9k.tiny_model:model",
-    "demo": "r9k.demo:demo",
+    "model": "r9k.devtools.tiny_model:model",
+    "demo": "r9k.devtools.demo:demo",
     "ops": "r9k.ops.cli:ops",
     "exporter": "r9k.monitoring.cli:exporter",
     "fleet": "r9k.deploy.cli:fleet",
-    "bench": "r9k.bench_cli:bench",
+    "bench": "r9k.bench.cli:bench",
 }
 
 
@@ -53,8 +53,3 @@ def main() -> None:
     Exit codes: 0 ok, 1 a check failed or drift was found, 2 bad input.
     """
 
-
-class BadInput(click.ClickException):
-    """Bad input: a one-line message naming what was wrong and what was expected; exit 2."""
-
-    exit_code = 2

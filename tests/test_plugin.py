@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from r9k import capacity as cap
-from r9k.tiny_model import make_tiny
+from r9k.devtools.tiny_model import make_tiny
 
 
 def test_import_r9k_is_light_and_fast():

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from r9k.cli import main
-from r9k.tiny_model import SPECIAL_TOKENS, make_tiny
+from r9k.devtools.tiny_model import SPECIAL_TOKENS, make_tiny
 
 
 def _digest(path):

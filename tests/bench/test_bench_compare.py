@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_openai import FakeOpenAI  # noqa: E402
+from doubles.fake_openai import FakeOpenAI
 
-from r9k.bench.compare import MODES, Workload, aggregate, capacity_block, markdown  # noqa: E402
-from r9k.cli import main  # noqa: E402
+from r9k.bench.compare import MODES, Workload, aggregate, capacity_block, markdown
+from r9k.cli import main
 
 
 def level(c: int, tps: float, ttft: float, errors: int = 0) -> dict:
@@ -37,7 +34,7 @@ def test_ratios_are_paired_within_repeats():
 
 
 def test_capacity_block_comes_from_the_planner(tmp_path):
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.tiny_model import make_tiny
     make_tiny(tmp_path / "tiny")
     capb = capacity_block(tmp_path / "tiny", num_spec=3, kv_bytes=64 << 20, max_model_len=4096,
                           concurrencies=[1, 8, 16], max_num_seqs=8)

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_openai import FakeOpenAI, answer_ids, prompt_hash  # noqa: E402
+from doubles.fake_openai import FakeOpenAI, answer_ids, prompt_hash
 
-from r9k.bench.sanity import candidate_prompts  # noqa: E402
-from r9k.cli import main  # noqa: E402
-from r9k.demo import free_port  # noqa: E402
+from r9k.bench.sanity import candidate_prompts
+from r9k.cli import main
+from r9k.devtools.demo import free_port
 
 ARGS = ["--candidates", "24", "--pre-prompt-chars", "200", "--concurrency", "12", "--quiet"]
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_openai import FakeOpenAI  # noqa: E402
+from doubles.fake_openai import FakeOpenAI
 
-from r9k.bench.memory import (MemorySourceError, ProcessTreeRss, process_tree,  # noqa: E402
+from r9k.bench.memory import (MemorySourceError, ProcessTreeRss, process_tree,
                               process_tree_rss_bytes)
-from r9k.cli import main  # noqa: E402
+from r9k.cli import main
 
 
 def run(*args):

@@ -84,7 +84,7 @@ def test_unknown_model_path_is_refused(tmp_path):
 
 
 def test_tp_the_model_cannot_split_is_refused(tmp_path):
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.tiny_model import make_tiny
 
     make_tiny(tmp_path / "tiny", seed=0)
     shape_heads = json.loads((tmp_path / "tiny" / "config.json").read_text())

@@ -14,7 +14,7 @@ from aiohttp import web
 from click.testing import CliRunner
 
 from r9k.cli import main
-from r9k.demo import free_port
+from r9k.devtools.demo import free_port
 from r9k.deploy.entry import EntryPoint, Route, serve
 from r9k.monitoring.replicas import FleetStatus
 

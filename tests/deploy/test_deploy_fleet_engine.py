@@ -65,8 +65,8 @@ def fleet(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     from r9k.deploy.controller import FleetController
-    from r9k.demo import free_port
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.demo import free_port
+    from r9k.devtools.tiny_model import make_tiny
 
     base = tmp_path_factory.mktemp("fleet")
     make_tiny(base / "tiny", seed=0)

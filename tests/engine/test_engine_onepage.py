@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from r9k import capacity as cap
-from r9k.engine_runs import EngineRunError, EngineSpec, run
-from r9k.tiny_model import make_tiny
+from r9k.devtools.engine_runs import EngineRunError, EngineSpec, run
+from r9k.devtools.tiny_model import make_tiny
 
-from r9k.engine_scenarios import scenarios
+from r9k.devtools.engine_scenarios import scenarios
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 

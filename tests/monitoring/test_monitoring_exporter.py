@@ -15,12 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from r9k import capacity
 from r9k.cli import main
 from r9k.monitoring.exporter import build_collector, build_registry, render, serve
-from r9k.monitoring.fixtures import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
+from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
                                      record_kernel_log)
 from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, parse_replica_spec
-from r9k.ops.fixtures import device_dir, hwmon_dir
+from doubles.ops_host import device_dir, hwmon_dir
 from r9k.ops.state import EVENT_TYPES
-from r9k.tiny_model import build_config
+from r9k.devtools.tiny_model import build_config
 
 
 def scrape(registry) -> dict[tuple[str, frozenset], float]:

@@ -21,9 +21,9 @@ import yaml
 
 from r9k import capacity
 from r9k.monitoring.exporter import build_collector, build_registry, serve
-from r9k.monitoring.fixtures import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
+from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
                                      record_kernel_log)
-from r9k.tiny_model import build_config
+from r9k.devtools.tiny_model import build_config
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 # Grafana's variables and interval macros, as a person viewing "All" over the last hour sees them.

@@ -10,11 +10,11 @@ import urllib.request
 import pytest
 
 from r9k import capacity
-from r9k.demo import Server
+from r9k.devtools.demo import Server
 from r9k.monitoring.exporter import build_collector, build_registry, serve
-from r9k.monitoring.fixtures import build_monitored_host
+from doubles.monitored_host import build_monitored_host
 from r9k.monitoring.replicas import ReplicaDescription
-from r9k.tiny_model import make_tiny
+from r9k.devtools.tiny_model import make_tiny
 from test_monitoring_prometheus import running_prometheus
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

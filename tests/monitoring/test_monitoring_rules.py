@@ -13,8 +13,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from r9k.monitoring.exporter import build_collector, build_registry, render
-from r9k.monitoring.fixtures import FakeFleet, FakeReplica, build_monitored_host
-from r9k.tiny_model import build_config
+from doubles.monitored_host import FakeFleet, FakeReplica, build_monitored_host
+from r9k.devtools.tiny_model import build_config
 from test_monitoring_prometheus import prometheus_tool
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from r9k.cli import main
 from r9k.ops.config import ConfigError, load_config, parse_config
-from r9k.ops.fixtures import CardSpec, build_host_tree, read_cap_watts, read_od_offset_mv
+from doubles.ops_host import CardSpec, build_host_tree, read_cap_watts, read_od_offset_mv
 
 
 @pytest.fixture()

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from r9k.cli import main
 from r9k.ops.config import parse_config
-from r9k.ops.fixtures import CardSpec, build_host_tree, read_cap_watts, read_od_offset_mv
+from doubles.ops_host import CardSpec, build_host_tree, read_cap_watts, read_od_offset_mv
 from r9k.ops.lact import LactClient, LactError, bdf_of_gpu_id
-from r9k.ops.lact_double import LactDouble
+from doubles.lact_double import LactDouble
 from r9k.ops.power import apply_power, choose_backend
 
 A, B = "0000:03:00.0", "0000:04:00.0"

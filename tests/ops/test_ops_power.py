@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from r9k.cli import main
-from r9k.ops import fixtures
+from doubles import ops_host as fixtures
 from r9k.ops.config import parse_config
-from r9k.ops.fixtures import CardSpec, FakeKernel, build_host_tree, read_cap_watts, read_od_offset_mv
+from doubles.ops_host import CardSpec, FakeKernel, build_host_tree, read_cap_watts, read_od_offset_mv
 from r9k.ops.power import PlanError, ReconcileState, apply_power, power_status, reconcile_once
 from r9k.ops.state import LastEvent, read_card_state, update_card_state
 from r9k.ops.sysfs import discover_cards, parse_od_table, recovery_status

@@ -54,7 +54,7 @@ def test_systemd_analyze_verify_accepts_the_units(tmp_path):
 
 
 def test_import_stays_light():
-    code = ("import sys, r9k.ops, r9k.ops.cli, r9k.ops.power, r9k.ops.watch, r9k.ops.state, r9k.ops.fixtures; "
+    code = ("import sys, r9k.ops, r9k.ops.cli, r9k.ops.power, r9k.ops.watch, r9k.ops.state; "
             "print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from r9k.cli import main
-from r9k.ops.fixtures import CardSpec, build_host_tree, kmsg_record
+from doubles.ops_host import CardSpec, build_host_tree, kmsg_record
 from r9k.ops.kernlog import Classifier, parse_text_line
 from r9k.ops.state import EVENT_TYPES, read_card_state, read_card_states
 from r9k.ops.watch import CURSOR_FILE, FileSource, KmsgSource, Watcher, journal_argv

@@ -1,6 +1,6 @@
 """A LACT daemon double for tests: a real Unix socket server speaking LACT's JSON-lines protocol.
 
-It stands in for lactd plus the kernel on a fixture tree (:mod:`r9k.ops.fixtures`): applying a
+It stands in for lactd plus the kernel on a fixture tree (:mod:`doubles.ops_host`): applying a
 config writes ``power1_cap`` (microwatts) and the committed offset into the tree, so the same
 sysfs read-back a real host uses sees the change. Like lactd, every ``set_gpu_config`` is reverted
 unless ``confirm_pending_config`` confirms it within ``apply_settings_timer`` seconds (default 5).
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from r9k.ops import fixtures
+from doubles import ops_host as fixtures
 from r9k.ops.sysfs import discover_cards
 
 

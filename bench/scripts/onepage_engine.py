@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 
 from r9k import capacity as cap
-from r9k.engine_runs import EngineSpec, run
-from r9k.engine_scenarios import scenarios
-from r9k.tiny_model import make_tiny
+from r9k.devtools.engine_runs import EngineSpec, run
+from r9k.devtools.engine_scenarios import scenarios
+from r9k.devtools.tiny_model import make_tiny
 
 KV_BYTES, MAX_LEN = 64 << 20, 4096
 

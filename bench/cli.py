@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from r9k.cli import BadInput
+from r9k.errors import BadInput
 
 
 def _cpus(spec: str | None) -> set[int] | None:

@@ -2,7 +2,7 @@
 
 Usage (tests of ops, monitoring, deploy)::
 
-    from r9k.ops.fixtures import CardSpec, build_host_tree
+    from doubles.ops_host import CardSpec, build_host_tree
     root = build_host_tree(tmp_path, [CardSpec("0000:03:00.0"), CardSpec("0000:04:00.0",
                                       power_files=("input",))])
     # then run production code with host_root=root (CLI: --host-root ROOT)
@@ -16,7 +16,7 @@ empty ``dev/kmsg`` file. Units follow sysfs: microwatts, millidegrees, millivolt
 
 Writes to ``pp_od_clk_voltage`` (``vo``/``c``/``r`` commands) need a kernel to interpret them:
 run :class:`FakeKernel` while production code writes through sysfs. The LACT double
-(:mod:`r9k.ops.lact_double`) updates the tree itself, as the daemon plus kernel would.
+(:mod:`doubles.lact_double`) updates the tree itself, as the daemon plus kernel would.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each run gets its own process (the plugin mode is an environment setting read at
 and an engine's memory is only really freed by its process ending). Used by the engine tests,
 `r9k demo` and the benchmarks, so they all measure the same way.
 
-    python -m r9k.engine_runs SPEC.json OUT.json
+    python -m r9k.devtools.engine_runs SPEC.json OUT.json
 
 A spec names the engine (model, k, page mode, KV budget, eager or compiled, prefix caching) and
 its scenarios: `batch` (all prompts at once) and `join` (waves of requests joining running ones,
@@ -56,7 +56,7 @@ def run(spec: EngineSpec, timeout_s: float = 900, workdir: Path | None = None) -
                **spec.env)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "r9k.engine_runs", str(spec_path),
+        proc = subprocess.run([sys.executable, "-m", "r9k.devtools.engine_runs", str(spec_path),
                                str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout_s)
     text = log_path.read_text(errors="replace")

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from r9k import capacity as cap
-from r9k.engine_runs import KV_LINE
+from r9k.devtools.engine_runs import KV_LINE
 
 PROMPTS = ["The state of the page is", "Replay the accepted rows", "Hello, R9700 fleet!"]
 
@@ -115,10 +115,10 @@ def ask(server: Server, prompt: str, max_tokens: int) -> tuple[list[int] | None,
 def demo(workdir: Path, num_spec: int, kv_mib: int, max_model_len: int, max_tokens: int,
          as_json: bool) -> None:
     """Serve the tiny model through vLLM with stock and with one-page pages, side by side."""
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.tiny_model import make_tiny
 
     if num_spec < 1 or kv_mib < 1 or max_model_len < 16 or max_tokens < 1:
-        from r9k.cli import BadInput
+        from r9k.errors import BadInput
         raise BadInput("--num-spec, --kv-mib, --max-tokens must be >= 1, --max-model-len >= 16")
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "tiny"

@@ -20,7 +20,7 @@ def _engine(model: str, rounds: int) -> list[int]:
     import psutil
     from vllm import LLM, SamplingParams
 
-    from r9k.engine_scenarios import mixed_prompts
+    from r9k.devtools.engine_scenarios import mixed_prompts
 
     llm = LLM(model=model, max_model_len=4096, kv_cache_memory_bytes=64 << 20,
               enforce_eager=True, enable_prefix_caching=False, max_num_seqs=8, seed=0,
@@ -43,7 +43,7 @@ def main() -> None:
     if args.engine:
         Path(args.engine[1]).write_text(json.dumps(_engine(args.engine[0], args.rounds)))
         return
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.tiny_model import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="r9k-rss-"))
     make_tiny(work / "tiny", seed=0)

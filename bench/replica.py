@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from r9k.demo import Server
+from r9k.devtools.demo import Server
 
 
 def tiny_model(workdir: Path, seed: int = 0) -> Path:
-    from r9k.tiny_model import make_tiny
+    from r9k.devtools.tiny_model import make_tiny
     model = workdir / "tiny"
     if not (model / "model.safetensors").exists():
         workdir.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,7 @@ def build_monitored_host(base) -> tuple[Any, Any, Any]:
     and hot; the ops watcher has recorded a reset of B (fenced, then reset_succeeded)."""
     from pathlib import Path
 
-    from r9k.ops.fixtures import CardSpec, build_host_tree
+    from doubles.ops_host import CardSpec, build_host_tree
 
     base = Path(base)
     root = build_host_tree(base / "host", [
