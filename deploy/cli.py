@@ -153,7 +153,8 @@ def _kv(d: dict) -> str:
     kv = d.get("kv") or {}
     if kv.get("num_blocks") is None:
         return "-"
-    return f"{kv['num_blocks']} blk / {kv.get('kv_cache_tokens') or 0:,} tok"
+    tokens = (kv.get("planned_tokens") or {}).get(kv.get("page_mode"), 0)
+    return f"{kv['num_blocks']} blk / {tokens:,} tok"
 
 
 @fleet.command()

@@ -1,17 +1,15 @@
 """One replica's vLLM engine: its command line and environment (pure), and the proof that the
-plugin runs in the page mode asked for, from the engine's own log and /metrics.
+plugin runs in the page mode asked for, from the replica's own /metrics.
 
-Proof of one-page on every rank: the engine logs `r9k: one-page GDN state pages` and no
-`r9k: stock GDN state pages: <reason>` line in any process, AND the pool size vLLM reports
-(`vllm:cache_config_info` num_gpu_blocks, the minimum over ranks) equals the capacity planner's
-one-page pool (blocks, attention block size, and the logged "KV cache size: N tokens"). A rank
-without the plugin would size stock pages (a larger attention block for the same blocks), and
-the unified KV config would show it.
+Proof: the plugin's `r9k_plugin_info` series (computed in the API server from the engine config,
+`r9k.plugin_metrics`) says which pages and why, AND the pool vLLM reports
+(`vllm:cache_config_info` num_gpu_blocks, the minimum over ranks, and block_size) equals the
+capacity planner's pool for that mode. A rank that sized other pages (an engine without the
+plugin, say) shows as a pool of another size or attention block, whatever the series says.
 """
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,11 +17,9 @@ from pathlib import Path
 from r9k import capacity
 from r9k.deploy.config import RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
 from r9k.deploy.placement import Assignment
-from r9k.devtools.engine_runs import KV_LINE
 from r9k.policy import GDN_STATE_ENV
+from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
 
-ONEPAGE_LINE = re.compile(r"r9k: one-page GDN state pages")
-STOCK_LINE = re.compile(r"r9k: stock GDN state pages: (.*)")
 # R9K_* is not among the prefixes vLLM's Ray executor copies to its workers.
 RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
@@ -83,48 +79,49 @@ class PageProof:
     ok: bool                       # the engine runs what the fleet file asked for
     num_blocks: int | None         # vLLM's pool size (cache_config_info num_gpu_blocks)
     block_size: int | None         # its attention block size in tokens (cache_config_info)
+    cache_mode: str | None         # vLLM's mamba_cache_mode (cache_config_info)
     planned_blocks: dict[str, int]  # the planner's per mode
-    kv_cache_tokens: int | None    # the engine's logged "KV cache size: N tokens"
     planned_tokens: dict[str, int]
+    plugin: dict[str, str] | None  # the r9k_plugin_info labels as the replica served them
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def prove_pages(log_text: str, num_blocks: int | None, plan: capacity.CapacityPlan,
-                wanted: str, block_size: int | None = None) -> PageProof:
-    onepage_lines = len(ONEPAGE_LINE.findall(log_text))
-    stock = STOCK_LINE.findall(log_text)
-    m = KV_LINE.search(log_text)
-    tokens = int(m.group(1).replace(",", "")) if m else None
+def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> PageProof:
+    """The page mode a replica runs, from its /metrics text, checked against the planner."""
+    try:
+        m = parse_vllm_metrics(metrics_text)
+    except ValueError as exc:
+        m, why = None, f"/metrics is not Prometheus text ({exc})"
     blocks = {"stock": plan.stock.num_blocks, "onepage": plan.onepage.num_blocks}
-    planned_tokens = {"stock": plan.stock.tokens, "onepage": plan.onepage.tokens}
-    if stock:
-        mode, reason = "stock", stock[0].strip()
-    elif onepage_lines:
-        mode, reason = "onepage", None
+    tokens = {"stock": plan.stock.tokens, "onepage": plan.onepage.tokens}
+    mode, reason = "unknown", None
+    if m is None:
+        reason = why
+    elif m.page_mode is None:
+        reason = (f"the replica's /metrics has no {PLUGIN_INFO_METRIC} series: the r9k plugin is "
+                  "not installed or not enabled (VLLM_PLUGINS) in this vLLM")
+    elif m.num_blocks is None:
+        reason = "the replica's /metrics has no vllm:cache_config_info num_gpu_blocks"
     else:
-        mode, reason = "unknown", "the engine logged no r9k page line: the plugin did not load"
-    pool = plan.onepage if mode == "onepage" else plan.stock
-    if mode != "unknown" and num_blocks is not None and (
-            num_blocks != pool.num_blocks
-            or (block_size is not None and block_size != pool.attention_block_size)
-            or (tokens is not None and tokens != pool.tokens)):
-        reason = (f"engine pool is {num_blocks} blocks of {block_size} tokens ({tokens} tokens) but the "
-                  f"planner's {mode} pool is {pool.num_blocks} blocks of {pool.attention_block_size} "
-                  f"({pool.tokens} tokens): a rank runs other pages")
-        mode = "unknown"
-    elif mode != "unknown" and num_blocks is None:
-        reason = "the engine's /metrics has no vllm:cache_config_info num_gpu_blocks"
-        mode = "unknown"
+        mode, reason = m.page_mode, (m.plugin or {}).get("reason") or None
+        pool = plan.onepage if mode == "onepage" else plan.stock
+        if m.num_blocks != pool.num_blocks or (
+                m.block_size is not None and m.block_size != pool.attention_block_size):
+            reason = (f"engine pool is {m.num_blocks} blocks of {m.block_size} tokens but the "
+                      f"planner's {mode} pool is {pool.num_blocks} blocks of "
+                      f"{pool.attention_block_size}: a rank runs other pages")
+            mode = "unknown"
     ok = mode == wanted
     if not ok and reason is None:
         reason = f"asked for {wanted} pages, the engine runs {mode}"
-    return PageProof(mode, reason, ok, num_blocks, block_size, blocks, tokens, planned_tokens)
+    return PageProof(mode, reason, ok, m.num_blocks if m else None, m.block_size if m else None,
+                     m.cache_mode if m else None, blocks, tokens, m.plugin if m else None)
 
 
 def read_log(path: str | Path, limit: int = 4 << 20) -> str:
-    """The head of an engine log: the page and KV lines come during start-up."""
+    """The head of an engine log (for error messages; the page proof reads /metrics)."""
     try:
         with open(path, "rb") as fh:
             return fh.read(limit).decode("utf-8", "replace")

@@ -10,27 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
-
-@dataclass
-class EngineCounters:
-    generation_tokens: float | None = None
-    running: float | None = None
-    waiting: float | None = None
-
-
-def parse_counters(text: str) -> EngineCounters:
-    out = EngineCounters()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:generation_tokens_total":
-                out.generation_tokens = (out.generation_tokens or 0) + s.value
-            elif s.name == "vllm:num_requests_running":
-                out.running = (out.running or 0) + s.value
-            elif s.name == "vllm:num_requests_waiting":
-                out.waiting = (out.waiting or 0) + s.value
-    return out
+from r9k.vllm_metrics import VllmMetrics
 
 
 @dataclass
@@ -51,7 +31,7 @@ class ReadyHealth:
         self.progress_at = ready_at      # last time tokens moved or nothing was queued
 
     def observe(self, now: float, *, alive: bool, heartbeat_ok: bool,
-                counters: EngineCounters | None, in_flight: int) -> str | None:
+                counters: VllmMetrics | None, in_flight: int) -> str | None:
         if not alive:
             return "engine process exited"
         if heartbeat_ok:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# vLLM's own start-up line (not the plugin's): the pool in tokens as the engine computed it.
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -67,10 +68,9 @@ def run(spec: EngineSpec, timeout_s: float = 900, workdir: Path | None = None) -
     result["log"] = text
     m = KV_LINE.search(text)
     result["kv_cache_tokens"] = int(m.group(1).replace(",", "")) if m else None
-    result["onepage_active"] = "r9k: one-page GDN state pages" in text
-    result["stock_reason"] = next((ln.split("r9k: stock GDN state pages: ", 1)[1].strip()
-                                   for ln in text.splitlines()
-                                   if "r9k: stock GDN state pages: " in ln), None)
+    plugin = result["plugin"]  # the page decision as the plugin exports it on /metrics
+    result["onepage_active"] = plugin["page_mode"] == "onepage"
+    result["stock_reason"] = plugin["reason"] or None
     return result
 
 
@@ -145,7 +145,10 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         t = time.monotonic()
         results[sc["name"]] = (_run_join if sc["kind"] == "join" else _run_batch)(llm, sc)
         timings[sc["name"]] = time.monotonic() - t
+    from r9k.policy import page_mode
+
     Path(out_path).write_text(json.dumps({
+        "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
     }))

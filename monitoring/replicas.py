@@ -3,7 +3,7 @@
 A replica is described by :class:`ReplicaDescription` (the typed interface the fleet serves at
 its status URL as :class:`FleetStatus`, or given as ``--replica URL[,key=value...]``). The page
 layout used for the pinned split comes, in order, from the replica's own ``r9k_plugin_info``
-gauge (labels :data:`PLUGIN_INFO_LABELS`), else from the capacity module applied to the model's
+gauge (labels ``r9k.vllm_metrics.PLUGIN_INFO_LABELS``), else from the capacity module applied to the model's
 config.json (description, else the ``root`` that vLLM's ``/v1/models`` reports when it is a local
 directory). Labels: ``replica`` and ``model``.
 """
@@ -21,20 +21,14 @@ from typing import Any, Iterator, Literal
 from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from r9k import capacity
+from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
-PAGE_MODES = ("stock", "onepage")
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
 PINNED_KINDS = ("gdn", "attention")
-# What the plugin exposes on a replica's /metrics (value 1):
-# r9k_plugin_info{page_mode="onepage", num_gdn_groups="2", num_attention_groups="1",
-#                 gdn_pages_per_request="1", ...}
-PLUGIN_INFO_METRIC = "r9k_plugin_info"
-PLUGIN_INFO_LABELS = ("page_mode", "num_gdn_groups", "num_attention_groups", "gdn_pages_per_request")
 DEFAULT_TIMEOUT_S = 2.0
 
 
@@ -107,58 +101,6 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
 def _get(url: str, timeout_s: float) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http only)
         return response.read()
-
-
-@dataclass
-class VllmMetrics:
-    """The figures monitoring takes from one replica's /metrics text."""
-
-    model_name: str | None = None
-    running: float | None = None
-    waiting: float | None = None
-    kv_usage_ratio: float | None = None
-    preemptions: float | None = None
-    num_blocks: int | None = None
-    block_size: int | None = None
-    ssm_state_dtype: str | None = None  # the engine's mamba_ssm_cache_dtype when set explicitly
-    plugin: dict[str, str] | None = None
-
-
-def _int_label(labels: dict[str, str], key: str) -> int | None:
-    try:
-        return int(labels.get(key, ""))
-    except ValueError:
-        return None  # vLLM writes 'None' before the engine has sized its pool
-
-
-def parse_vllm_metrics(text: str) -> VllmMetrics:
-    """Sum over engines for request counts, the fullest engine for KV usage."""
-    out = VllmMetrics()
-
-    def add(current: float | None, value: float) -> float:
-        return value if current is None else current + value
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name, labels, value = sample.name, sample.labels, sample.value
-            if out.model_name is None and labels.get("model_name"):
-                out.model_name = labels["model_name"]
-            if name == "vllm:num_requests_running":
-                out.running = add(out.running, value)
-            elif name == "vllm:num_requests_waiting":
-                out.waiting = add(out.waiting, value)
-            elif name == "vllm:kv_cache_usage_perc":
-                out.kv_usage_ratio = value if out.kv_usage_ratio is None else max(out.kv_usage_ratio, value)
-            elif name == "vllm:num_preemptions_total":
-                out.preemptions = add(out.preemptions, value)
-            elif name == "vllm:cache_config_info" and out.num_blocks is None:
-                out.num_blocks = _int_label(labels, "num_gpu_blocks")
-                out.block_size = _int_label(labels, "block_size")
-                dtype = labels.get("mamba_ssm_cache_dtype")
-                out.ssm_state_dtype = dtype if dtype in ("float32", "bfloat16") else None
-            elif name == PLUGIN_INFO_METRIC and out.plugin is None:
-                out.plugin = dict(labels)
-    return out
 
 
 @dataclass
@@ -235,10 +177,8 @@ class ReplicaCollector:
         with self._lock:
             self._last_model[desc.name] = model
         reading = ReplicaReading(desc, True, model, metrics)
-        plugin = metrics.plugin or {}
-        reading.page_mode = plugin.get("page_mode") if plugin.get("page_mode") in PAGE_MODES \
-            else (desc.page_mode or "stock")
-        reading.layout = self._plugin_layout(plugin, reading.page_mode)
+        reading.page_mode = metrics.page_mode or desc.page_mode or "stock"
+        reading.layout = self._plugin_layout(metrics.plugin or {}, reading.page_mode)
         need_shape = reading.layout is None or metrics.num_blocks
         shape = self._shape(desc) if need_shape else None
         if reading.layout is None and shape is not None:
@@ -255,8 +195,9 @@ class ReplicaCollector:
         return reading
 
     def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
-        if not plugin:
-            return None
+        keys = ("num_gdn_groups", "num_attention_groups", "gdn_pages_per_request")
+        if not plugin or (all(k in plugin for k in keys) and not all(plugin[k] for k in keys)):
+            return None  # no plugin, or one whose planner could not read the model: use ours
         try:
             return Layout(page_mode, int(plugin["num_gdn_groups"]), int(plugin["num_attention_groups"]),
                           int(plugin["gdn_pages_per_request"]), "plugin")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
+from dataclasses import asdict, dataclass
 from typing import Any
 
 logger = logging.getLogger("vllm.r9k")
@@ -93,3 +95,67 @@ def onepage_enabled(vllm_config: Any) -> bool:
         else:
             logger.warning("r9k: stock GDN state pages: %s", reason)
     return reason is None
+
+
+@dataclass(frozen=True)
+class PageMode:
+    """The engine's page decision as the plugin exports it (`r9k_plugin_info` on /metrics).
+
+    A pure function of the engine's config, so the API server process computes the same answer
+    as the engine core that sizes the pages."""
+
+    page_mode: str                # onepage | stock
+    reason: str                   # why stock, in the plugin's words; "" for onepage
+    cache_mode: str               # vLLM's mamba_cache_mode: none | align | all
+    record_layout: str            # "k|v|a|b rows=S slots=2 width=W dtype" or "" (stock page)
+    vllm_version: str
+    num_spec: int
+    num_gdn_groups: int | None    # the capacity module's view of this engine's pool
+    num_attention_groups: int | None
+    gdn_pages_per_request: int | None
+
+    def labels(self) -> dict[str, str]:
+        return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
+
+
+def page_mode(vllm_config: Any) -> PageMode:
+    """This engine's page mode, reason and page layout (no logging; see `onepage_enabled`)."""
+    import vllm
+
+    from r9k import capacity
+
+    reason = onepage_reason(vllm_config)
+    onepage = reason is None
+    spec = vllm_config.speculative_config
+    num_spec = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    layout, groups = "", (None, None, None)
+    try:
+        shape = capacity.HybridModelShape.from_config(
+            vllm_config.model_config.hf_text_config.to_dict(),
+            name=vllm_config.model_config.architecture)
+        shape = dataclasses.replace(  # the engine's dtype, not the checkpoint's
+            shape, dtype=str(vllm_config.model_config.dtype).removeprefix("torch."))
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        platform = "cpu" if vllm_config.device_config.device_type == "cpu" else "gpu"
+        state_dtype = _explicit_state_dtype(vllm_config)
+        if onepage:
+            page = capacity.gdn_page_layout(shape, tp, num_spec, onepage=True,
+                                            state_dtype=state_dtype)
+            slots, rows, width = page.record_shape
+            layout = f"k|v|a|b rows={rows} slots={slots} width={width} {page.record_dtype}"
+        pool = capacity.plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
+                                  max_model_len=1, platform=platform, onepage=onepage,
+                                  state_dtype=state_dtype, running=0)
+        groups = (pool.num_gdn_groups, pool.num_attention_groups, pool.gdn_pages_per_request)
+    except (capacity.CapacityInputError, AttributeError, KeyError):
+        pass  # a config the planner cannot read (e.g. an unknown layout): the mode still holds
+    return PageMode(
+        page_mode="onepage" if onepage else "stock", reason=reason or "",
+        cache_mode=str(vllm_config.cache_config.mamba_cache_mode),
+        record_layout=layout, vllm_version=vllm.__version__, num_spec=num_spec,
+        num_gdn_groups=groups[0], num_attention_groups=groups[1], gdn_pages_per_request=groups[2])
+
+
+def _explicit_state_dtype(vllm_config: Any) -> str | None:
+    dtype = getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype", "auto")
+    return dtype if dtype in ("float32", "bfloat16") else None

@@ -1,18 +1,21 @@
 """Health verdicts, restart backoff and the page proof, as pure functions with times as numbers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from r9k import capacity
 from r9k.deploy.engine import prove_pages
-from r9k.deploy.health import EngineCounters, HealthLimits, ReadyHealth, parse_counters, restart_backoff_s
+from r9k.deploy.health import HealthLimits, ReadyHealth, restart_backoff_s
+from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 LIMITS = HealthLimits(heartbeat_timeout_s=10, progress_timeout_s=30, grace_after_ready_s=20)
 
 
 def obs(h, t, tokens, running=0, waiting=0, in_flight=0, heartbeat=True, alive=True):
     return h.observe(t, alive=alive, heartbeat_ok=heartbeat,
-                     counters=EngineCounters(tokens, running, waiting), in_flight=in_flight)
+                     counters=VllmMetrics(running=running, waiting=waiting, generation_tokens=tokens), in_flight=in_flight)
 
 
 def test_progress_hang_needs_queued_work_and_stuck_tokens():
@@ -56,7 +59,7 @@ def test_backoff_doubles_up_to_the_cap():
     assert [restart_backoff_s(n, 5, 60) for n in range(1, 7)] == [0, 5, 10, 20, 40, 60]
 
 
-def test_parse_counters_sums_engines():
+def test_one_metrics_reader_sums_engines():
     text = """# TYPE vllm:generation_tokens_total counter
 vllm:generation_tokens_total{engine="0",model_name="m"} 120.0
 vllm:generation_tokens_total{engine="1",model_name="m"} 30.0
@@ -65,7 +68,9 @@ vllm:num_requests_running{engine="0",model_name="m"} 2.0
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
 """
-    assert parse_counters(text) == EngineCounters(150.0, 2.0, 1.0)
+    m = parse_vllm_metrics(text)
+    assert (m.generation_tokens, m.running, m.waiting, m.model_name) == (150.0, 2.0, 1.0, "m")
+    assert m.page_mode is None and m.num_blocks is None
 
 
 @pytest.fixture(scope="module")
@@ -74,30 +79,46 @@ def plan():
                          max_model_len=4096, platform="cpu", state_dtype="float32", running=0)
 
 
-def _log(lines, tokens):
-    return "\n".join(lines + [f"INFO [kv_cache_utils.py] GPU KV cache size: {tokens:,} tokens"])
+def _metrics(pool, plugin: dict | None, cache_mode: str = "none") -> str:
+    """A replica's /metrics as vLLM and the plugin write it (prometheus_client's own output)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    Gauge("vllm:cache_config_info", "cache", ["block_size", "num_gpu_blocks", "mamba_cache_mode",
+                                                "engine"], registry=reg).labels(
+        str(pool.attention_block_size), str(pool.num_blocks), cache_mode, "0").set(1)
+    if plugin is not None:
+        Gauge("r9k_plugin_info", "plugin", list(plugin), registry=reg).labels(**plugin).set(1)
+    return generate_latest(reg).decode()
+
+
+def _plugin(mode: str, reason: str = "") -> dict:
+    return {"page_mode": mode, "reason": reason, "cache_mode": "none", "record_layout": "",
+            "vllm_version": "0.32.0", "num_spec": "3", "num_gdn_groups": "3",
+            "num_attention_groups": "1", "gdn_pages_per_request": "1" if mode == "onepage" else "4"}
 
 
 def test_proof_accepts_onepage_only_with_matching_pool(plan):
-    one = plan.onepage
-    ok = prove_pages(_log(["INFO r9k: one-page GDN state pages (1 page per request instead of 1 + 3)"], one.tokens),
-                     one.num_blocks, plan, "onepage", block_size=one.attention_block_size)
+    ok = prove_pages(_metrics(plan.onepage, _plugin("onepage")), plan, "onepage")
     assert ok.ok and ok.page_mode == "onepage" and ok.reason is None
-    assert ok.kv_cache_tokens == one.tokens != plan.stock.tokens
-    # the log says one-page but the pool is the stock one: some rank sized stock pages
-    bad = prove_pages(_log(["r9k: one-page GDN state pages"], plan.stock.tokens), plan.stock.num_blocks,
-                      plan, "onepage", block_size=plan.stock.attention_block_size)
+    assert ok.num_blocks == plan.onepage.num_blocks and ok.cache_mode == "none"
+    assert ok.plugin["gdn_pages_per_request"] == "1"
+    # the series says one-page but the pool is not the planner's: some rank sized other pages
+    other = dataclasses.replace(plan.onepage, num_blocks=plan.onepage.num_blocks - 1)
+    bad = prove_pages(_metrics(other, _plugin("onepage")), plan, "onepage")
     assert not bad.ok and bad.page_mode == "unknown" and "a rank runs other pages" in bad.reason
 
 
 def test_proof_reports_why_stock_and_missing_plugin(plan):
-    stock = prove_pages(_log(["WARNING r9k: stock GDN state pages: prefix caching is on (mamba_cache_mode='align')"],
-                             plan.stock.tokens), plan.stock.num_blocks, plan, "onepage",
-                        block_size=plan.stock.attention_block_size)
-    assert not stock.ok and stock.page_mode == "stock" and stock.reason.startswith("prefix caching is on")
-    assert prove_pages(_log(["r9k: stock GDN state pages: R9K_GDN_STATE=stock"], plan.stock.tokens),
-                       plan.stock.num_blocks, plan, "stock").ok
-    missing = prove_pages(_log(["INFO no plugin here"], plan.stock.tokens), plan.stock.num_blocks, plan, "onepage")
-    assert not missing.ok and "plugin did not load" in missing.reason
-    no_metrics = prove_pages(_log(["r9k: one-page GDN state pages"], plan.onepage.tokens), None, plan, "onepage")
-    assert not no_metrics.ok and "num_gpu_blocks" in no_metrics.reason
+    why = "prefix caching is on (mamba_cache_mode='align')"
+    stock = prove_pages(_metrics(plan.stock, _plugin("stock", why), "align"), plan, "onepage")
+    assert not stock.ok and stock.page_mode == "stock" and stock.reason == why
+    assert stock.cache_mode == "align"
+    assert prove_pages(_metrics(plan.stock, _plugin("stock", "R9K_GDN_STATE=stock")), plan, "stock").ok
+    # the version-mismatch path: the plugin loaded, said why, and the proof reports its words
+    old = "vLLM 0.33.1 is not 0.32.x, the series whose internals the plugin subclasses"
+    mismatch = prove_pages(_metrics(plan.stock, _plugin("stock", old)), plan, "onepage")
+    assert mismatch.page_mode == "stock" and mismatch.reason == old
+    missing = prove_pages(_metrics(plan.stock, None), plan, "onepage")
+    assert not missing.ok and "no r9k_plugin_info series" in missing.reason
+    assert "not Prometheus text" in prove_pages("<html>oops</html>", plan, "onepage").reason
