@@ -2,18 +2,17 @@
 OpenAI server process (and its engine/worker children) on the replica's host.
 
 The plugin and RCCL settings come in through the actor's ``runtime_env.env_vars``, so the server,
-the engine core and every worker inherit them. The controller decides; the actor only starts,
-reports, reads its log and stops.
+the engine core and every worker inherit them. The controller decides; the actor only picks a
+port, starts, reports and stops, through the shared launcher (:mod:`r9k.deploy.server`).
 """
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import ray
+
+from r9k.deploy.server import STOP_GRACE_S, ServerProcess
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -23,6 +22,11 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def fill_address(argv_template: list[str], host: str, port: int) -> list[str]:
+    """The controller's argv has "{host}" and "{port}": only the node knows its free port."""
+    return [a.replace("{host}", host).replace("{port}", str(port)) for a in argv_template]
 
 
 class ReplicaProcess:
@@ -36,13 +40,8 @@ class ReplicaProcess:
         self.bind = bind
         self.port_range = port_range
         self.preferred_port = preferred_port
-        self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        self.server: ServerProcess | None = None
         self.starts = 0
-
-    def node(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
 
     def start(self) -> dict:
         self.kill()
@@ -52,64 +51,27 @@ class ReplicaProcess:
         port = next((p for p in order if _port_free(host, p)), None)
         if port is None:
             raise RuntimeError(f"no free port in {lo}-{hi} on {host}")
-        argv = [a.replace("{host}", host).replace("{port}", str(port)) for a in self.argv_template]
         self.starts += 1
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.log_dir / f"{self.replica}.{self.starts}.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        return {"url": f"http://{host}:{port}", "pid": self.proc.pid, "log": str(self.log_path),
+        log_path = self.log_dir / f"{self.replica}.{self.starts}.log"
+        # env None: the actor's own environment, which carries runtime_env.env_vars
+        self.server = ServerProcess.start(fill_address(self.argv_template, host, port), log_path)
+        return {"url": f"http://{host}:{port}", "pid": self.server.pid, "log": str(log_path),
                 "start": self.starts}
 
     def status(self) -> dict:
-        if self.proc is None:
+        if self.server is None:
             return {"alive": False, "returncode": None, "pid": None, "engine_pids": []}
-        rc = self.proc.poll()
-        return {"alive": rc is None, "returncode": rc, "pid": self.proc.pid,
-                "engine_pids": self._children() if rc is None else []}
-
-    def _children(self) -> list[int]:
-        import psutil
-
-        try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.Error:
-            return []
-
-    def read_log(self) -> str:
-        from r9k.deploy.engine import read_log
-
-        return read_log(self.log_path) if self.log_path else ""
+        return {"alive": self.server.alive, "returncode": self.server.returncode,
+                "pid": self.server.pid, "engine_pids": self.server.children()}
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.read_log()[-chars:]
+        return self.server.log_tail(chars) if self.server else ""
 
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGINT the server's process group (vLLM shuts its engine down), SIGKILL after grace."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self._signal_group(signal.SIGCONT)  # a stopped (hung) process cannot handle SIGINT
-        self._signal_group(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            return self.kill()
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        return self.server.stop(grace_s) if self.server else None
 
     def kill(self) -> int | None:
-        if self.proc is None:
-            return None
-        self._signal_group(signal.SIGKILL)
-        try:
-            return self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def _signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        return self.server.kill() if self.server else None
 
 
 # Threaded, so status() answers while stop() waits.

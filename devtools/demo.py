@@ -9,19 +9,15 @@ requests pin.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import click
 
 from r9k import capacity as cap
+from r9k.deploy.server import ApiServerLaunch, ServerError, ServerProcess
 from r9k.devtools.engine_runs import KV_LINE
 
 PROMPTS = ["The state of the page is", "Replay the accepted rows", "Hello, R9700 fleet!"]
@@ -41,59 +37,36 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 60) -> dic
 
 
 class Server:
-    """One `vllm serve` process on loopback with its log captured to a file."""
+    """One api_server of the tiny model on loopback (the shared launcher, r9k.deploy.server), its
+    log captured to a file."""
 
     def __init__(self, model: Path, mode: str, num_spec: int, kv_bytes: int, max_len: int,
                  log_path: Path, *, max_num_seqs: int = 8, cpu_bind: str | None = None,
                  extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.launch = ApiServerLaunch(
+            model, "tiny", free_port(), max_len, kv_bytes, num_spec=num_spec, spec_method="mtp",
+            prefix_caching=False, state_dtype="float32",
+            extra_args=("--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--seed", "0",
+                        *extra_args),
+            env={"R9K_GDN_STATE": mode, **(extra_env or {})}, cpu_bind=cpu_bind)
+        self.port, self.url = self.launch.port, self.launch.url
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
-               "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(kv_bytes),
-               "--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", str(max_num_seqs),
-               "--mamba-ssm-cache-dtype", "float32", "--seed", "0",
-               "--speculative-config", json.dumps({"method": "mtp",
-                                                    "num_speculative_tokens": num_spec}),
-               *extra_args]
         self.max_num_seqs = max_num_seqs
-        env = dict(os.environ, R9K_GDN_STATE=mode, **(extra_env or {}))
-        if cpu_bind:
-            # engine and its OpenMP threads on these cpus only (benchmarks pin the client elsewhere)
-            cmd = ["taskset", "-c", cpu_bind, *cmd]
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.process = ServerProcess.start(self.launch.argv(), log_path, self.launch.environ())
+        self.proc = self.process.proc
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise click.ClickException(
-                    f"vLLM server exited with {self.proc.returncode}; log: {self.log_path}\n"
-                    + self.log_path.read_text(errors="replace")[-2000:])
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                return
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        raise click.ClickException(f"vLLM server not ready after {timeout_s:.0f} s; log: {self.log_path}")
+        try:
+            self.process.wait_healthy(self.url, timeout_s)
+        except ServerError as exc:
+            raise click.ClickException(str(exc)) from None
 
     def kv_tokens(self) -> int | None:
         m = KV_LINE.search(self.log_path.read_text(errors="replace"))
         return int(m.group(1).replace(",", "")) if m else None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+        self.process.stop()
 
 
 def ask(server: Server, prompt: str, max_tokens: int) -> tuple[list[int] | None, str]:

@@ -1,0 +1,133 @@
+"""The fleet's Ray side: connect or start Ray, find the hosts, and for each replica a placement
+group on its assigned cards with a supervisor actor in it.
+
+Actor calls and ``pg.ready()`` return ObjectRefs, which are awaited (never ``ray.get``, which
+would block the controller's event loop). ``ray.nodes``, ``ray.kill`` and
+``remove_placement_group`` are short synchronous calls to the GCS.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from r9k.deploy.config import HOST_LABEL, CardSpec, FleetConfig, HostSpec
+from r9k.deploy.placement import Assignment, PlacementError, placement_group_args
+
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def connect(cfg: FleetConfig) -> bool:
+    """Join the cluster of the fleet file, or start a one-host Ray; True if this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address != "local":
+        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False,
+                 configure_logging=False)
+        return False
+    if len(cfg.hosts) > 1:
+        raise PlacementError("ray.address local starts one host; the file lists "
+                             f"{len(cfg.hosts)} hosts: join a cluster (ray.address: auto)")
+    host = cfg.hosts[0].name if cfg.hosts else os.uname().nodename
+    ncards = len(cfg.hosts[0].cards) if cfg.hosts else len(local_cards())
+    ray.init(num_cpus=cfg.ray.num_cpus, resources={cfg.placement.card_resource: ncards},
+             labels={HOST_LABEL: host}, include_dashboard=False, namespace=cfg.ray.namespace,
+             log_to_driver=False, configure_logging=False)
+    return True
+
+
+async def inventory(cfg: FleetConfig) -> list[HostSpec]:
+    """The fleet file's hosts that are Ray nodes now (by label), else discovered on the nodes."""
+    import ray
+
+    resource = cfg.placement.card_resource
+    nodes = {n["Labels"].get(HOST_LABEL): n for n in ray.nodes()
+             if n["Alive"] and n["Resources"].get(resource, 0) > 0 and n.get("Labels", {}).get(HOST_LABEL)}
+    if cfg.hosts:
+        return [h for h in cfg.hosts if h.name in nodes]
+    return list(await asyncio.gather(*(discover_host(name, node["NodeID"])
+                                       for name, node in sorted(nodes.items()))))
+
+
+def local_cards() -> list[str]:
+    from r9k.ops.sysfs import discover_cards
+
+    return [c.bdf for c in discover_cards("/") if getattr(c, "is_r9700", False)]
+
+
+async def discover_host(name: str, node_id: str) -> HostSpec:
+    """Ask the node itself which R9700s it has (sysfs, through ops)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cards = await ray.remote(num_cpus=0)(local_cards).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    return HostSpec(name=name, cards=[CardSpec(bdf=b) for b in cards])
+
+
+class RayReplica:
+    """One replica's placement group and supervisor actor."""
+
+    def __init__(self, pg: Any, actor: Any) -> None:
+        self.pg = pg
+        self.actor = actor
+
+    @classmethod
+    async def place(cls, replica: str, assignment: Assignment, cfg: FleetConfig, argv: list[str],
+                    env: dict[str, str], log_dir: str, port: int) -> "RayReplica":
+        """A placement group on the assigned cards (ready within PLACEMENT_TIMEOUT_S) and the
+        supervisor in its first bundle; the engine is not started yet."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from r9k.deploy.supervisor import ReplicaSupervisor
+
+        pg = placement_group(**placement_group_args(assignment, cfg))
+        try:
+            await asyncio.wait_for(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise PlacementError(f"placement group for {assignment.host} {','.join(assignment.cards)} "
+                                 f"not ready after {PLACEMENT_TIMEOUT_S:.0f} s") from None
+        actor = ReplicaSupervisor.options(
+            name=f"r9k-{replica}-{time.monotonic_ns()}", num_cpus=0, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            runtime_env={"env_vars": env},
+        ).remote(replica, argv, log_dir, cfg.replica_bind, cfg.port_range, port)
+        return cls(pg, actor)
+
+    async def start_engine(self) -> dict:
+        """{"url", "pid", "log", "start"} of the api_server the supervisor started."""
+        return await self.actor.start.remote()
+
+    async def status(self, timeout_s: float) -> dict:
+        return await asyncio.wait_for(self.actor.status.remote(), timeout=timeout_s)
+
+    async def kill_engine(self) -> bool:
+        """SIGKILL the engine; False if the supervisor (or its node) is gone."""
+        try:
+            await self.actor.kill.remote()
+        except Exception:  # RayActorError and friends: the actor cannot answer any more
+            return False
+        return True
+
+    async def stop_engine(self, grace_s: float) -> None:
+        await self.actor.stop.remote(grace_s)
+
+    async def log_tail(self, chars: int = 3000) -> str:
+        return await self.actor.log_tail.remote(chars)
+
+    async def release(self, grace_s: float) -> None:
+        """Stop the engine (SIGKILL after ``grace_s``), end the actor, free the cards' bundles."""
+        import ray
+
+        try:
+            await self.actor.stop.remote(grace_s)
+        except Exception:  # the actor (or its node) is gone already
+            pass
+        ray.kill(self.actor)
+        ray.util.remove_placement_group(self.pg)
