@@ -201,7 +201,8 @@ class ReplicaLifecycle:
 
     def drain_waiting(self, now: float, outstanding: int) -> bool:
         """Keep waiting: requests are still in flight and the drain timeout has not passed."""
-        assert self.drain_deadline is not None, "drain_waiting before begin_drain"
+        if self.drain_deadline is None:
+            raise RuntimeError(f"{self.name}: drain_waiting before begin_drain (no drain deadline)")
         return outstanding > 0 and now < self.drain_deadline
 
     def drained(self, replace: bool, stopping: bool) -> list[Action]:
