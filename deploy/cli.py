@@ -33,13 +33,6 @@ def _load(config: str):
         raise BadInput(f"{config}: fleet file not found (expected YAML, see deploy/README.md)") from None
     except FleetConfigError as exc:
         raise BadInput(str(exc)) from None
-    for m in cfg.models:
-        path = m.resolved_path(cfg.base_dir)
-        if m.generate_tiny and not (path / "config.json").exists():
-            from r9k.devtools.tiny_model import make_tiny
-
-            make_tiny(path, seed=0)
-            click.echo(f"generated the tiny model in {path}", err=True)
     try:
         cfg = load_fleet(config)
         if cfg.hosts:  # the inventory is in the file: refuse what cannot fit before Ray starts

@@ -15,11 +15,12 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
                       field_validator, model_validator)
 
+from r9k import capacity
+from r9k.config_errors import validation_message
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
 DEFAULT_CARD_RESOURCE = "R9700"
 HOST_LABEL = "r9k.host"          # Ray node label naming the host in the fleet file
-TP_SIZES = (1, 2, 4)
 # Versioned per-card RCCL defaults of the replica spec: TP=2 on two R9700s deadlocks without it.
 RCCL_DEFAULTS_VERSION = 1
 RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
@@ -39,13 +40,12 @@ class _Strict(BaseModel):
 
 class Speculative(_Strict):
     method: Literal["mtp", "ngram", "eagle", "eagle3", "draft_model"] = "mtp"
-    k: StrictInt = Field(default=3, ge=1, le=16)   # draft tokens per step (num_speculative_tokens)
+    k: StrictInt = Field(default=3, ge=1, le=capacity.MAX_NUM_SPEC)  # num_speculative_tokens
 
 
 class ModelSpec(_Strict):
     name: StrictStr = Field(min_length=1)            # served model name (the `model` of requests)
     path: StrictStr = Field(min_length=1)            # local directory with config.json, on every host
-    generate_tiny: bool = False                      # make the tiny test model at `path` if missing
     replicas: StrictInt = Field(default=1, ge=0)
     tp: StrictInt = 1
     speculative: Union[Speculative, None] = Speculative()
@@ -59,8 +59,9 @@ class ModelSpec(_Strict):
     @field_validator("tp")
     @classmethod
     def _tp(cls, value: int) -> int:
-        if value not in TP_SIZES:
-            raise ValueError(f"expected a tensor-parallel size of 1, 2 or 4, got {value}")
+        if value not in capacity.TP_SIZES:
+            raise ValueError(f"expected a tensor-parallel size of "
+                             f"{', '.join(map(str, capacity.TP_SIZES))}, got {value}")
         return value
 
     @field_validator("extra_args")
@@ -208,24 +209,6 @@ class FleetConfig(_Strict):
         return os.environ.get(env) or None if env else None
 
 
-def _loc(error: dict) -> str:
-    return ".".join(str(p) for p in error["loc"]
-                    if not str(p).startswith(("str", "int", "list[", "CardSpec", "function-")))
-
-
-def _describe(error: dict) -> str:
-    where = _loc(error) or "fleet file"
-    if error["type"] == "extra_forbidden":
-        return f"{where}: unknown field"
-    msg = error["msg"].removeprefix("Value error, ")
-    given = error.get("input")
-    if error["type"] in ("missing",):
-        return f"{where}: required field is missing"
-    if isinstance(given, (dict, list)):
-        return f"{where}: {msg}"
-    return f"{where}: {msg} (got {given!r})"
-
-
 def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None = None) -> FleetConfig:
     """Schema and self-consistency only (no filesystem or cluster)."""
     try:
@@ -237,12 +220,7 @@ def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None =
     try:
         cfg = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        msgs: list[str] = []
-        for err in exc.errors():
-            m = _describe(err)
-            if m not in msgs:
-                msgs.append(m)
-        raise FleetConfigError(f"{source}: " + "; ".join(msgs[:3])) from None
+        raise FleetConfigError(validation_message(exc, source, limit=3)) from None
     cfg.base_dir = base_dir or Path(".").resolve()
     _check_consistency(cfg, source)
     return cfg
@@ -290,15 +268,13 @@ def _check_consistency(cfg: FleetConfig, source: str) -> None:
 
 def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
     """Every model path is a directory with a config.json the capacity module can read."""
-    from r9k import capacity
 
     for m in cfg.models:
         path = m.resolved_path(cfg.base_dir)
-        if m.generate_tiny and not (path / "config.json").exists():
-            continue
         if not (path / "config.json").is_file():
             raise FleetConfigError(f"{source}: models.{m.name}.path {str(path)!r}: no config.json there; "
-                                   "expected a local model directory present on every host")
+                                   "expected a local model directory present on every host "
+                                   "(the tiny test model: r9k model make-tiny PATH)")
         try:
             shape = capacity.HybridModelShape.from_path(path)
             capacity.validate(shape, tp=m.tp, num_spec=m.num_spec, kv_bytes_per_rank=m.kv_cache_memory_bytes,

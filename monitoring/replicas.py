@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from r9k import capacity
+from r9k.config_errors import validation_message
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
@@ -93,9 +94,7 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
     try:
         return ReplicaDescription.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "value"
-        raise ReplicaSpecError(f"--replica {spec!r}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ReplicaSpecError(validation_message(exc, f"--replica {spec!r}", limit=1)) from None
 
 
 def _get(url: str, timeout_s: float) -> bytes:

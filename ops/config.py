@@ -14,6 +14,7 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
 
+from r9k.config_errors import validation_message
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
 
 DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
@@ -100,24 +101,9 @@ _EXPECTED = {
 }
 
 
-def _describe(error: dict) -> str:
-    loc = ".".join(str(p) for p in error["loc"] if not str(p).startswith(("int", "float", "str", "list")))
-    kind = error["type"]
-    field = str(error["loc"][-1]) if error["loc"] else ""
-    given = error.get("input")
-    if kind == "extra_forbidden":
-        parent = error["loc"][-2] if len(error["loc"]) > 1 else None
-        allowed = (PowerSettings if parent in ("defaults",) or (len(error["loc"]) > 2 and error["loc"][0] == "cards")
-                   else OpsConfig).model_fields
-        return f"{loc}: unknown field {field!r}, expected one of: {', '.join(allowed)}"
-    for name, expected in _EXPECTED.items():
-        if name in [str(p) for p in error["loc"]]:
-            if isinstance(given, str):
-                return f"{loc}: got the string {given!r}, expected {expected}"
-            if kind == "value_error":
-                return f"{loc}: {error['msg'].removeprefix('Value error, ')}"
-            return f"{loc}: got {given!r}, expected {expected}"
-    return f"{loc or 'config'}: {error['msg'].removeprefix('Value error, ')} (got {given!r})"
+def _allowed_fields(loc: tuple) -> list[str]:
+    nested = len(loc) > 1 and (loc[-2] == "defaults" or (len(loc) > 2 and loc[0] == "cards"))
+    return list((PowerSettings if nested else OpsConfig).model_fields)
 
 
 def parse_config(text: str, source: str = "<config>") -> OpsConfig:
@@ -132,13 +118,8 @@ def parse_config(text: str, source: str = "<config>") -> OpsConfig:
     try:
         return OpsConfig.model_validate(data)
     except ValidationError as exc:
-        # Deduplicate: a union reports one error per alternative.
-        seen: list[str] = []
-        for error in exc.errors():
-            msg = _describe(error)
-            if msg not in seen:
-                seen.append(msg)
-        raise ConfigError(f"{source}: " + "; ".join(seen)) from None
+        raise ConfigError(validation_message(exc, source, expected=_EXPECTED,
+                                             allowed_fields=_allowed_fields)) from None
 
 
 def load_config(path: str | os.PathLike) -> OpsConfig:

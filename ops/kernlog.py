@@ -12,9 +12,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from r9k.ops.state import BDF_PATTERN
+
 RESET_SOURCES = {0: "unknown", 1: "job", 2: "ras", 3: "mes", 4: "hws", 5: "user"}
 
-_BDF = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+_BDF = rf"(?i:{BDF_PATTERN})"  # as the kernel writes it, any case
 _PREFIX_BDF = re.compile(rf"\b(?:amdgpu|pci)\s+({_BDF}):")
 _KMSG = re.compile(r"^(\d+),(\d+),(\d+),([^;]*);(.*)$")
 _DMESG_TS = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")

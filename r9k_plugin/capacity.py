@@ -30,10 +30,31 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PLATFORM_BLOCK_ALIGN_TOKENS = {"gpu": 16, "cpu": 128}
 # vLLM's rejection sampler handles at most this many draft tokens (v1/sample/rejection_sampler.py).
 MAX_NUM_SPEC = 128
-# One-page flag word per page: live row count, live slot (parity), two spare words.
-FLAG_WORDS = 4
-FLAG_DTYPE = "int32"
+# Tensor-parallel sizes a replica may use: 1, 2 or 4 cards of one host (the fleet and the planner).
+TP_SIZES = (1, 2, 4)
+# One-page page: the stock tensors, then the record and its flag word. This order is the
+# layer's `kv_cache` tuple and the model class's state shapes and dtypes.
+PAGE_CONV, PAGE_SSM, PAGE_RECORD, PAGE_FLAG = 0, 1, 2, 3
+# Record: two slots (a step reads one, writes the other) of S = 1 + k candidate rows.
 RECORD_SLOTS = 2
+# Flag word per page: live row count, live slot (parity), the fused GPU kernel's per-page done
+# counter (0 between launches), one spare word.
+FLAG_WORDS = 4
+FLAG_COUNT, FLAG_SLOT, FLAG_DONE = 0, 1, 2
+FLAG_DTYPE, FLAG_WORD_BYTES = "int32", 4
+
+
+def record_row_elements(num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                        head_v_dim: int) -> int:
+    """Elements per record row (per TP rank): the post-conv k and v rows plus the a and b gate
+    inputs; q is not needed to rebuild the state."""
+    return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
+
+
+def onepage_extra_dtypes(model_dtype: str) -> tuple[str, str]:
+    """(record, flag word) dtypes: the record keeps the layer's rows bit-exactly, so it is
+    stored in the model dtype the layer computes them in."""
+    return model_dtype, FLAG_DTYPE
 
 
 class CapacityInputError(ValueError):
@@ -187,7 +208,7 @@ class GdnPageLayout:
 
     @property
     def flag_bytes(self) -> int:
-        return FLAG_WORDS * 4 if self.record_rows else 0
+        return FLAG_WORDS * FLAG_WORD_BYTES if self.record_rows else 0
 
     @property
     def page_bytes(self) -> int:
@@ -207,11 +228,10 @@ def gdn_page_layout(shape: HybridModelShape, tp: int, num_spec: int, onepage: bo
         head_k_dim=dk,
         head_v_dim=dv,
         record_rows=rows,
-        # post-conv k and v rows plus the a and b gate inputs; q is not needed to rebuild state
-        record_row_width=(hk * dk + hv * dv + 2 * hv) if rows else 0,
+        record_row_width=record_row_elements(hk, hv, dk, dv) if rows else 0,
         conv_dtype=shape.dtype,
         state_dtype=shape.state_dtype(state_dtype),
-        record_dtype=shape.dtype,
+        record_dtype=onepage_extra_dtypes(shape.dtype)[0],
     )
 
 
@@ -320,8 +340,8 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
 
 def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
              max_model_len: int, platform: str, state_dtype: str | None, running: int) -> None:
-    if tp not in (1, 2, 4, 8):
-        raise CapacityInputError(f"--tp {tp}: expected 1, 2, 4 or 8")
+    if tp not in TP_SIZES:
+        raise CapacityInputError(f"--tp {tp}: expected one of {', '.join(map(str, TP_SIZES))}")
     for field_name in ("linear_num_key_heads", "linear_num_value_heads", "num_attention_heads"):
         heads = getattr(shape, field_name)
         if heads % tp:

@@ -105,7 +105,8 @@ def test_cli_config_file_and_plot(tmp_path):
     (["--preset", "tiny", "--kv-gib-per-rank", "-1"], "expected > 0"),
     (["--preset", "tiny", "--num-spec", "129"], "--num-spec 129"),
     (["--preset", "qwen3.5-27b", "--tp", "3"], "--tp 3"),
-    (["--preset", "tiny", "--tp", "8"], "does not divide linear_num_key_heads=2"),
+    (["--preset", "tiny", "--tp", "4"], "does not divide linear_num_key_heads=2"),
+    (["--preset", "qwen3.5-27b", "--tp", "8"], "--tp 8: expected one of 1, 2, 4"),
 ])
 def test_cli_bad_input_exit_2(args, message):
     base = {"--num-spec": "3", "--kv-gib-per-rank": "1", "--max-model-len": "4096"}

@@ -45,7 +45,7 @@ def test_defaults_are_onepage_mtp_loopback_and_r9700():
 
 @pytest.mark.parametrize("models,needle", [
     ([{"name": "m", "path": "/x", "tp": 3, "kv_cache_memory_bytes": 1 << 30}],
-     "models.0.tp: expected a tensor-parallel size of 1, 2 or 4, got 3 (got 3)"),
+     "models.0.tp: expected a tensor-parallel size of 1, 2, 4, got 3 (got 3)"),
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": "1GiB"}], "models.0.kv_cache_memory_bytes"),
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "speculative": None}],
      "gdn_state onepage needs speculative decoding"),
@@ -81,6 +81,20 @@ def test_unknown_model_path_is_refused(tmp_path):
         load_fleet(path)
     res = CliRunner().invoke(main, ["fleet", "check", "--config", str(path)])
     assert res.exit_code == 2 and "no config.json there" in res.output
+
+
+@pytest.mark.parametrize("tp", range(1, 9))
+def test_fleet_and_planner_agree_on_tp_and_k(tp):
+    from r9k import capacity
+
+    models = [{"name": "m", "path": "/x", "tp": tp, "kv_cache_memory_bytes": 1 << 30,
+               "speculative": {"k": capacity.MAX_NUM_SPEC}}]
+    if tp in capacity.TP_SIZES:
+        assert parse_fleet(fleet_text(models=models)).models[0].num_spec == capacity.MAX_NUM_SPEC
+    else:
+        assert f"models.0.tp: expected a tensor-parallel size of" in refused(fleet_text(models=models))
+    models[0].update(tp=1, speculative={"k": capacity.MAX_NUM_SPEC + 1})
+    assert "models.0.speculative.k" in refused(fleet_text(models=models))
 
 
 def test_tp_the_model_cannot_split_is_refused(tmp_path):

@@ -1,0 +1,60 @@
+"""One wording for configuration errors found by pydantic (ops config, fleet file, replica specs):
+where (the field path), what was wrong, what was given and, where known, what was expected."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from pydantic import ValidationError
+
+# Parts of an error location that name a type or union branch, not a field the user wrote.
+_TYPE_TAG_PREFIXES = ("str", "int", "float", "bool", "list[", "dict[", "function-", "union[",
+                      "literal[", "nullable[", "tagged-union[")
+
+
+def field_path(loc: Iterable[object]) -> str:
+    parts = []
+    for p in loc:
+        text = str(p)
+        if isinstance(p, str) and (text.startswith(_TYPE_TAG_PREFIXES)
+                                   or (text[:1].isupper() and text.isidentifier())):
+            continue  # e.g. "int", "function-after[...]", a model class name in a union
+        parts.append(text)
+    return ".".join(parts)
+
+
+def describe_error(error: dict, *, expected: dict[str, str] | None = None,
+                   allowed_fields: Callable[[tuple], Iterable[str]] | None = None) -> str:
+    """One line for one pydantic error. `expected` maps a field name to the value it wants
+    (said when that field is wrong); `allowed_fields(loc)` lists the fields valid at `loc`."""
+    loc = tuple(error["loc"])
+    where = field_path(loc) or "config"
+    kind, given = error["type"], error.get("input")
+    msg = error["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        names = list(allowed_fields(loc)) if allowed_fields else []
+        line = f"{where}: unknown field {str(loc[-1])!r}"
+        return line + (f", expected one of: {', '.join(names)}" if names else "")
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    for name, text in (expected or {}).items():
+        if name in (str(p) for p in loc):
+            if isinstance(given, str):
+                return f"{where}: got the string {given!r}, expected {text}"
+            if kind == "value_error":
+                return f"{where}: {msg}"
+            return f"{where}: got {given!r}, expected {text}"
+    if isinstance(given, (dict, list)):
+        return f"{where}: {msg}"
+    return f"{where}: {msg} (got {given!r})"
+
+
+def validation_message(exc: ValidationError, source: str, *, limit: int | None = None,
+                       **describe) -> str:
+    """`source: first problem; second problem ...`; a union reports one error per branch, so
+    each distinct line is said once."""
+    lines: list[str] = []
+    for error in exc.errors():
+        line = describe_error(error, **describe)
+        if line not in lines:
+            lines.append(line)
+    return f"{source}: " + "; ".join(lines[:limit])
