@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
+
+from r9k.http_client import http_get
 
 
 class MemorySourceError(Exception):
@@ -85,8 +86,7 @@ def prometheus_gauge_bytes(url: str, metric: str, label_filter: dict[str, str] |
                            timeout_s: float = 5) -> int:
     """Sum of a metric's samples in a Prometheus text page (optionally only matching labels)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            text = resp.read().decode(errors="replace")
+        text = http_get(url, timeout_s=timeout_s).decode(errors="replace")
     except OSError as exc:
         raise MemorySourceError(f"cannot read {url}: {exc}") from None
     total, found = 0.0, False

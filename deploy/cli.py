@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import click
 
 from r9k.errors import BadInput
+from r9k.http_client import HttpUnreachable, http_request
 
 RUN_DIR_HELP = "controller file and logs [env R9K_FLEET_RUN_DIR; default ~/.local/state/r9k/fleet]"
 
@@ -59,20 +58,22 @@ def _controller_url(url: str | None, run_dir: str | None) -> str:
 
 
 def _call(url: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
-    headers = {"Content-Type": "application/json"}
+    headers = {}
     key = os.environ.get("R9K_FLEET_API_KEY")
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers=headers, method="POST" if body is not None else "GET")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:300]
-        raise BadInput(f"{url}{path}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
+        resp = http_request(url + path, method="POST" if body is not None else "GET",
+                            json_body=body, headers=headers, timeout_s=timeout)
+    except HttpUnreachable as exc:
         raise click.ClickException(f"fleet controller at {url} does not answer: {exc}") from None
+    if resp.status != 200:
+        raise BadInput(f"{url}{path}: HTTP {resp.status}: {resp.text[:300]}")
+    try:
+        return resp.json()
+    except ValueError:
+        raise click.ClickException(f"{url}{path}: answered HTTP 200 with no JSON: "
+                                   f"{resp.text[:200]!r}") from None
 
 
 url_option = click.option("--url", help="the fleet entry point, e.g. http://127.0.0.1:8000")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import click
 
 from r9k import capacity as cap
+from r9k.http_client import http_request
 from r9k.deploy.server import ApiServerLaunch, ServerError, ServerProcess
 from r9k.devtools.engine_runs import KV_LINE
 
@@ -30,10 +30,11 @@ def free_port() -> int:
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
-    data = json.dumps(payload).encode() if payload is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    resp = http_request(url, method="POST" if payload is not None else "GET", json_body=payload,
+                        timeout_s=timeout)
+    if resp.status != 200:
+        raise click.ClickException(f"{url}: HTTP {resp.status}: {resp.text[:300]}")
+    return resp.json()
 
 
 class Server:

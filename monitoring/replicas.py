@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from r9k import capacity
 from r9k.config_errors import validation_message
+from r9k.http_client import http_get
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
@@ -98,8 +97,7 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
 
 
 def _get(url: str, timeout_s: float) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http only)
-        return response.read()
+    return http_get(url, timeout_s=timeout_s)
 
 
 @dataclass

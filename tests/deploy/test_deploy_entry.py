@@ -9,12 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
+import urllib.request
 from aiohttp import web
 from click.testing import CliRunner
 
 from r9k.cli import main
 from r9k.devtools.demo import free_port
+from r9k.http_client import http_request
 from r9k.deploy.entry import EntryPoint, Route, serve
 from r9k.monitoring.replicas import FleetStatus
 
@@ -95,24 +96,29 @@ def env():
 AUTH = {"Authorization": "Bearer fleet-key"}
 
 
-def post(env, body, headers=AUTH, **kw):
-    return requests.post(env.url + "/v1/completions", json=body, headers=headers, timeout=30, **kw)
+def post(env, body, headers=AUTH):
+    return http_request(env.url + "/v1/completions", method="POST", json_body=body, headers=headers,
+                        timeout_s=30)
+
+
+def get(env, path, headers=None):
+    return http_request(env.url + path, headers=headers, timeout_s=5)
 
 
 def test_api_key_required_on_v1_and_admin(env):
-    assert post(env, {"model": "m"}, headers={}).status_code == 401
-    assert post(env, {"model": "m"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert requests.post(env.url + "/fleet/down", json={}, timeout=5).status_code == 401
-    assert requests.get(env.url + "/fleet/status", timeout=5).status_code == 200  # read-only, like /metrics
+    assert post(env, {"model": "m"}, headers={}).status == 401
+    assert post(env, {"model": "m"}, headers={"Authorization": "Bearer wrong"}).status == 401
+    assert http_request(env.url + "/fleet/down", method="POST", json_body={}, timeout_s=5).status == 401
+    assert get(env, "/fleet/status").status == 200  # read-only, like /metrics
 
 
 def test_dead_replica_is_skipped_before_an_answer_starts(env):
     env.table.ready = {"m-dead", "m-0"}  # m-dead has the fewest outstanding, so it is tried first
     resp = post(env, {"model": "m"})
-    assert resp.status_code == 200 and resp.json()["replica"] == "m-0"
+    assert resp.status == 200 and resp.json()["replica"] == "m-0"
     env.table.ready = {"m-dead"}
     resp = post(env, {"model": "m"})
-    assert resp.status_code == 502 and "m-dead (ClientConnectorError)" in resp.json()["error"]["message"]
+    assert resp.status == 502 and "m-dead (ClientConnectorError)" in resp.json()["error"]["message"]
 
 
 def test_least_outstanding_routing(env):
@@ -132,14 +138,16 @@ def test_least_outstanding_routing(env):
 
 def test_streaming_passes_through_in_chunks(env):
     env.table.ready = {"m-0"}
-    resp = post(env, {"model": "m", "stream": True}, stream=True)
-    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
-    assert resp.headers["X-R9k-Replica"] == "m-0"
+    req = urllib.request.Request(env.url + "/v1/completions", method="POST", headers=AUTH,
+                                 data=json.dumps({"model": "m", "stream": True}).encode())
     arrivals, events = [], []
-    for line in resp.iter_lines():
-        if line:
-            arrivals.append(time.monotonic())
-            events.append(line)
+    with urllib.request.urlopen(req, timeout=30) as resp:  # read line by line as it arrives
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["X-R9k-Replica"] == "m-0"
+        for line in resp:
+            if line.strip():
+                arrivals.append(time.monotonic())
+                events.append(line.strip())
     assert events[-1] == b"data: [DONE]" and [json.loads(e[6:])["i"] for e in events[:-1]] == [0, 1, 2, 3, 4]
     assert arrivals[-1] - arrivals[0] > 0.15  # delivered as produced, not buffered
 
@@ -147,20 +155,20 @@ def test_streaming_passes_through_in_chunks(env):
 def test_503_names_the_replica_states_and_404_unknown_model(env):
     env.table.ready = set()
     resp = post(env, {"model": "m"})
-    assert resp.status_code == 503
+    assert resp.status == 503
     assert resp.json()["error"]["message"] == "no ready replica for model 'm' (m-0 loading, m-1 loading, m-dead loading)"
     assert post(env, {"model": "other"}).json()["error"]["message"].endswith("(no replicas configured)")
     resp = post(env, {"model": "nope"})
-    assert resp.status_code == 404 and "models: m, other" in resp.json()["error"]["message"]
-    assert post(env, {"prompt": "no model"}).status_code == 404
-    assert requests.get(env.url + "/health", timeout=5).status_code == 503
+    assert resp.status == 404 and "models: m, other" in resp.json()["error"]["message"]
+    assert post(env, {"prompt": "no model"}).status == 404
+    assert get(env, "/health").status == 503
     env.table.ready = {"m-0"}
-    models = requests.get(env.url + "/v1/models", headers=AUTH, timeout=5).json()["data"]
+    models = get(env, "/v1/models", AUTH).json()["data"]
     assert [(m["id"], m["ready_replicas"]) for m in models] == [("m", 1), ("other", 0)]
 
 
 def test_status_is_monitoring_fleet_status(env):
-    st = FleetStatus.model_validate(requests.get(env.url + "/fleet/status", timeout=5).json())
+    st = FleetStatus.model_validate(get(env, "/fleet/status").json())
     assert [(r.name, r.state, r.page_mode, r.cards) for r in st.replicas][:1] == [
         ("m-0", "ready", "onepage", ["0000:03:00.0"])]
 
