@@ -92,7 +92,7 @@ def test_fleet_and_planner_agree_on_tp_and_k(tp):
     if tp in capacity.TP_SIZES:
         assert parse_fleet(fleet_text(models=models)).models[0].num_spec == capacity.MAX_NUM_SPEC
     else:
-        assert f"models.0.tp: expected a tensor-parallel size of" in refused(fleet_text(models=models))
+        assert "models.0.tp: expected a tensor-parallel size of" in refused(fleet_text(models=models))
     models[0].update(tp=1, speculative={"k": capacity.MAX_NUM_SPEC + 1})
     assert "models.0.speculative.k" in refused(fleet_text(models=models))
 

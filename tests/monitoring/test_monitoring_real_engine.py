@@ -15,7 +15,7 @@ from r9k.monitoring.exporter import build_collector, build_registry, serve
 from doubles.monitored_host import build_monitored_host
 from r9k.monitoring.replicas import ReplicaDescription
 from r9k.devtools.tiny_model import make_tiny
-from test_monitoring_prometheus import running_prometheus
+from doubles.prometheus_server import running_prometheus
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -44,8 +44,9 @@ def test_real_engine_replica(tmp_path):
     exporter = None
     try:
         server.wait_ready()
+        # no page_mode given: the replica's own r9k_plugin_info series says which pages it runs
         desc = ReplicaDescription(name="cpu0", url=server.url, model_config=str(model),
-                                  num_spec=K, page_mode="onepage", platform="cpu", state="ready")
+                                  num_spec=K, platform="cpu", state="ready")
         exporter, _ = serve(build_registry(build_collector(root, state, config, replicas=[desc],
                                                            timeout_s=3)), 0, "127.0.0.1")
         jobs = {"r9k-exporter": f"127.0.0.1:{exporter.server_address[1]}",
@@ -61,7 +62,11 @@ def test_real_engine_replica(tmp_path):
                 == plan.onepage.tokens
             assert api.value('r9k_kv_capacity_tokens{replica="cpu0",page_mode="stock"}') \
                 == plan.stock.tokens
-            assert api.query('r9k_replica_info{replica="cpu0",page_mode="onepage"}')
+            assert api.query('r9k_replica_info{replica="cpu0",page_mode="onepage",'
+                             'layout_source="plugin"}')
+            # Prometheus scrapes the plugin's series straight off the replica too
+            assert api.query('r9k_plugin_info{job="vllm",page_mode="onepage",reason="",'
+                             'cache_mode="none",gdn_pages_per_request="1"}')
 
             clients = [threading.Thread(target=_stream_long_request, args=(server.url, stop),
                                         daemon=True) for _ in range(3)]

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r9k.monitoring.exporter import build_collector, build_registry, render
 from doubles.monitored_host import FakeFleet, FakeReplica, build_monitored_host
 from r9k.devtools.tiny_model import build_config
-from test_monitoring_prometheus import prometheus_tool
+from doubles.prometheus_server import prometheus_tool
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 ALERTS = MONITORING / "alerts"
