@@ -21,8 +21,7 @@ from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
 DEFAULT_CARD_RESOURCE = "R9700"
 HOST_LABEL = "r9k.host"          # Ray node label naming the host in the fleet file
-# Versioned per-card RCCL defaults of the replica spec: TP=2 on two R9700s deadlocks without it.
-RCCL_DEFAULTS_VERSION = 1
+# Per-card RCCL defaults of every replica: TP=2 on two R9700s deadlocks without it.
 RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
 # vLLM flags the fleet sets itself from typed fields; in extra_args they would contradict them.
 _OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-model-name",
