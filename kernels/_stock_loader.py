@@ -1,9 +1,10 @@
 """Find vLLM's stock Triton GDN spec kernel (`fused_sigmoid_gating_delta_rule_update`).
 
 On the engine path vLLM is installed and the kernel imports normally. On GPU test machines with
-torch and Triton but no vLLM, the pure-Python file staged by `shared/tools/stage-vllm-python` is
-loaded on its own with a stand-in for `vllm.triton_utils` (the only vLLM module it imports);
-importing the whole `vllm` package there fails (compiled extensions, zmq).
+torch and Triton but no vLLM, the pure-Python file staged by the team's
+`shared/tools/stage-vllm-python` (beside the checkout, not in it) is loaded on its own with a
+stand-in for `vllm.triton_utils` (the only vLLM module it imports); importing the whole `vllm`
+package there fails (compiled extensions, zmq).
 """
 from __future__ import annotations
 

@@ -27,9 +27,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-NULL_PAGE = 0
-FLAG_COUNT, FLAG_SLOT = 0, 1
-FLAG_DONE = 2  # the fused GPU kernel's per-page done counter (0 between launches)
+from r9k.capacity import FLAG_COUNT, FLAG_SLOT, record_row_elements
+
+NULL_PAGE = 0  # vLLM's null block (CUDA-graph padding): never replayed nor recorded
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,8 @@ class GdnHeads:
 
     @property
     def record_row_width(self) -> int:
-        # must match r9k.capacity.gdn_page_layout(...).record_row_width
-        return (self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
-                + 2 * self.num_v_heads)
+        return record_row_elements(self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                                   self.head_v_dim)
 
 
 @dataclass

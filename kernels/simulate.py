@@ -1,8 +1,9 @@
 """Multi-step speculative decoding simulations: per-slot (stock) vs one-page, side by side.
 
 Shared by the CPU unit tests, the GPU tests on the H200 and the kernel benchmark. Every step
-draws random candidate counts (1 = a draft-less decode) and random acceptance, so replay
-lengths of 0 (first step after prefill), 1 (bonus only), partial and full all occur.
+draws random candidate counts (1 = a draft-less decode) and random acceptance. Which replay
+lengths actually occurred (0 after prefill, 1 bonus only, partial, full) is measured from the
+replay itself (`SimStats.replay_hist`); `assert_replay_coverage` checks a run exercised them all.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from r9k.capacity import FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
     replay_accepted_rows)
@@ -43,9 +45,21 @@ class SimConfig:
 class SimStats:
     steps: int = 0
     compared_rows: int = 0
-    checkpoint_checks: int = 0
-    replay_hist: Counter = field(default_factory=Counter)   # rows replayed per sequence-step
-    accepted_hist: Counter = field(default_factory=Counter)  # num_accepted per sequence-step
+    checkpoint_checks: int = 0  # per layer and live sequence, after prefill and every step
+    # rows replay_accepted_rows replayed, per layer, live sequence and step (the step after
+    # prefill included), measured on the pools the one-page step left behind
+    replay_hist: Counter = field(default_factory=Counter)
+
+
+def assert_replay_coverage(stats: SimStats, num_candidates: int) -> None:
+    """The run replayed after zero acceptance (1 row: the bonus token), partial acceptance
+    (2 .. S-1 rows) and full acceptance (S = num_candidates rows)."""
+    hist = dict(stats.replay_hist)
+    assert stats.replay_hist[1] > 0, f"no bonus-only (1-row) replay: {hist}"
+    assert any(stats.replay_hist[r] > 0 for r in range(2, num_candidates)), \
+        f"no partial replay (2..{num_candidates - 1} rows): {hist}"
+    assert stats.replay_hist[num_candidates] > 0, \
+        f"no full replay ({num_candidates} rows): {hist}"
 
 
 def _gated_norm(o: torch.Tensor, z: torch.Tensor, gate: str) -> torch.Tensor:
@@ -55,7 +69,7 @@ def _gated_norm(o: torch.Tensor, z: torch.Tensor, gate: str) -> torch.Tensor:
     return (of * act).to(o.dtype)
 
 
-def _assert_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def assert_bit_identical(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     if not torch.equal(a, b):
         diff = (a.float() - b.float()).abs()
         raise AssertionError(f"{what}: not bit-identical (max abs diff {diff.max().item():.3e}, "
@@ -92,9 +106,10 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
         slot_pool = torch.zeros((1 + n * S, *state_shape), dtype=cfg.state_dtype, device=dev)
         page_pool = torch.zeros((1 + n, *state_shape), dtype=cfg.state_dtype, device=dev)
         # recycled pages: garbage records with a live-looking flag that prefill must clear
-        record_pool = rand(1 + n, 2, S, h.record_row_width)
-        flag_pool = torch.randint(1, S + 1, (1 + n, 4), generator=g, dtype=torch.int32).to(dev)
-        flag_pool[:, 1] %= 2
+        record_pool = rand(1 + n, RECORD_SLOTS, S, h.record_row_width)
+        flag_pool = torch.randint(1, S + 1, (1 + n, FLAG_WORDS), generator=g,
+                                  dtype=getattr(torch, FLAG_DTYPE)).to(dev)
+        flag_pool[:, FLAG_SLOT] %= RECORD_SLOTS
         layers.append(dict(backend=backend, slot_pool=slot_pool, page_pool=page_pool,
                            record_pool=record_pool, flag_pool=flag_pool))
 
@@ -120,8 +135,28 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
         L["null_flag"] = L["flag_pool"][NULL_PAGE].clone()
         L["null_record"] = L["record_pool"][NULL_PAGE].clone()
 
+    def check_replayed_checkpoints(when: str, num_accepted: torch.Tensor) -> None:
+        """Replay on copies of the pools: the checkpoint must equal the slot stock reads next."""
+        for L in layers:
+            pp, rp, fp = L["page_pool"].clone(), L["record_pool"].clone(), L["flag_pool"].clone()
+            replayed = replay_accepted_rows(L["backend"], h, pp, rp, fp, pages,
+                                            num_accepted.to(dev))
+            for i in range(n):
+                if is_null[i]:
+                    continue
+                slot = int(slot_rows[i, int(num_accepted[i]) - 1])
+                assert_bit_identical(pp[int(pages[i])], L["slot_pool"][slot],
+                                     f"{when}: checkpoint of seq {i}")
+                stats.checkpoint_checks += 1
+            for r in replayed[~is_null.to(dev)].tolist():
+                stats.replay_hist[int(r)] += 1
+            assert_bit_identical(L["flag_pool"][NULL_PAGE], L["null_flag"],
+                                 f"{when}: null page flag")
+            assert_bit_identical(L["record_pool"][NULL_PAGE], L["null_record"],
+                                 f"{when}: null page record")
+
     num_accepted = torch.ones(n, dtype=torch.int32)        # vLLM's value right after prefill
-    stats.replay_hist[0] += int((~is_null).sum())          # the first step replays nothing
+    check_replayed_checkpoints("after prefill", num_accepted)
     for step in range(cfg.steps):
         lens = torch.randint(1, S + 1, (n,), generator=g)
         if cfg.lockstep_copies:
@@ -150,37 +185,21 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
             outs = out.index_select(0, row_map) if row_map is not None else out
             zs = z.index_select(0, row_map) if row_map is not None else z
             live = torch.repeat_interleave(~is_null, lens).to(dev)
-            _assert_equal(outs[live], ref[live], f"step {step} outputs")
-            _assert_equal(_gated_norm(outs[live], zs[live], cfg.gate),
+            assert_bit_identical(outs[live], ref[live], f"step {step} outputs")
+            assert_bit_identical(_gated_norm(outs[live], zs[live], cfg.gate),
                           _gated_norm(ref[live], zs[live], cfg.gate), f"step {step} gated outputs")
             if cfg.lockstep_copies and live.all():
                 first = outs[: int(lens[0])]
                 for i in range(1, n):
-                    _assert_equal(outs[int(cu[i]):int(cu[i + 1])], first, f"step {step} copy {i}")
+                    assert_bit_identical(outs[int(cu[i]):int(cu[i + 1])], first,
+                                         f"step {step} copy {i}")
             stats.compared_rows += int(live.sum())
         # acceptance for the next step: 1..len (1 = only the bonus token)
         nxt = torch.stack([torch.randint(1, int(t) + 1, (1,), generator=g)[0] for t in lens])
         if cfg.lockstep_copies:
             nxt[:] = nxt[0]
         num_accepted = nxt.to(torch.int32)
-        for L in layers:
-            # the checkpoint after replay equals the slot stock reads next
-            pp, rp, fp = L["page_pool"].clone(), L["record_pool"].clone(), L["flag_pool"].clone()
-            replayed = replay_accepted_rows(L["backend"], h, pp, rp, fp, pages, num_accepted.to(dev))
-            for i in range(n):
-                if is_null[i]:
-                    continue
-                slot = int(slot_rows[i, int(num_accepted[i]) - 1])
-                _assert_equal(pp[int(pages[i])], L["slot_pool"][slot],
-                              f"step {step} checkpoint of seq {i}")
-                stats.checkpoint_checks += 1
-            for r in replayed[~is_null.to(dev)].tolist():
-                stats.replay_hist[int(r)] += 1
-            _assert_equal(L["flag_pool"][NULL_PAGE], L["null_flag"], f"step {step} null page flag")
-            _assert_equal(L["record_pool"][NULL_PAGE], L["null_record"],
-                          f"step {step} null page record")
-        for v in num_accepted[~is_null].tolist():
-            stats.accepted_hist[int(v)] += 1
+        check_replayed_checkpoints(f"step {step}", num_accepted)
         stats.steps += 1
     return stats
 

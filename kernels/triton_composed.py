@@ -23,7 +23,7 @@ def _pow2(width: int) -> int:
     return 1 << max(width - 1, 0).bit_length()
 
 
-def _index_rows(pages: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
+def index_rows(pages: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
     """[N, width] int32 rows of zeros with pages[i] at column[i] (built on the device)."""
     cols = torch.arange(width, device=pages.device)[None, :]
     return torch.where(cols == column[:, None].long(), pages[:, None].to(torch.int32),
@@ -53,14 +53,14 @@ class StockTritonComposed:
             return
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
         width = max(int(lens.max()), 1)
-        idx = _index_rows(pages, lens - 1, _pow2(width))
+        idx = index_rows(pages, lens - 1, _pow2(width))
         # q only feeds outputs, which replay discards: k stands in for it
         self._run(state_pool, idx, lens, k, k, v, a, b, cu_seqlens)
 
     def verify(self, state_pool, pages, x: GdnInputs, cu_seqlens) -> torch.Tensor:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
         width = (int(lens.max()) if lens.numel() else 0) + 1
-        idx = _index_rows(pages, lens, _pow2(width))
+        idx = index_rows(pages, lens, _pow2(width))
         return self._run(state_pool, idx, lens + 1, x.q, x.k, x.v, x.a, x.b, cu_seqlens)
 
     def per_slot_step(self, state_pool, slot_rows, num_accepted, x: GdnInputs, cu_seqlens):

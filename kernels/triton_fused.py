@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from r9k.kernels.onepage import FLAG_COUNT, FLAG_DONE, FLAG_SLOT
+from r9k.capacity import (
+    FLAG_COUNT, FLAG_DONE, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS, record_row_elements)
 
 # the stock launcher's tiling and launch parameters; changing any of them changes the last bits
 STOCK_BV_MAX = 32
@@ -281,13 +282,18 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
                          f"got {tuple(ssm_state.shape)}")
     if ssm_state[0].stride() != (V * K, K, 1):
         raise ValueError("ssm_state pages must be contiguous inside ([HV, V, K] row-major)")
-    width = heads_k * K + heads_v * V + 2 * heads_v
-    if record.dim() != 4 or record.shape[1] != 2 or record.shape[3] != width:
-        raise ValueError(f"record must be [slots, 2, S, W={width}], got {tuple(record.shape)}")
+    width = record_row_elements(heads_k, heads_v, K, V)
+    if record.dim() != 4 or record.shape[1] != RECORD_SLOTS or record.shape[3] != width:
+        raise ValueError(f"record must be [slots, {RECORD_SLOTS}, S, W={width}], "
+                         f"got {tuple(record.shape)}")
     if record[0].stride() != (record.shape[2] * width, width, 1):
-        raise ValueError("record pages must be contiguous inside ([2, S, W] row-major)")
-    if flag.dim() != 2 or flag.shape[1] < 4 or flag.dtype != torch.int32 or flag.stride(1) != 1:
-        raise ValueError(f"flag must be int32 [slots, 4], got {flag.dtype} {tuple(flag.shape)}")
+        raise ValueError(f"record pages must be contiguous inside ([{RECORD_SLOTS}, S, W] "
+                         "row-major)")
+    flag_dtype = getattr(torch, FLAG_DTYPE)
+    if (flag.dim() != 2 or flag.shape[1] < FLAG_WORDS or flag.dtype != flag_dtype
+            or flag.stride(1) != 1):
+        raise ValueError(f"flag must be {FLAG_DTYPE} [slots, {FLAG_WORDS}], "
+                         f"got {flag.dtype} {tuple(flag.shape)}")
     return int(record.shape[2])
 
 

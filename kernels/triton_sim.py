@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from r9k.kernels.onepage import NULL_PAGE, GdnHeads, GdnInputs, onepage_verify_step
-from r9k.kernels.simulate import _assert_equal
+from r9k.kernels.simulate import assert_bit_identical
 from r9k.kernels.triton_composed import StockTritonComposed
 from r9k.kernels.triton_fused import onepage_fused_step
 
@@ -41,17 +41,20 @@ class FusedStepChecked:
         live_rows = torch.repeat_interleave(pages.long() != NULL_PAGE, lens)
         rows = row_map.long()[live_rows] if row_map is not None else live_rows.nonzero().flatten()
         step = f"fused step {self.steps}"
-        _assert_equal(out.index_select(0, rows), out_c.index_select(0, rows), f"{step} outputs")
+        assert_bit_identical(out.index_select(0, rows), out_c.index_select(0, rows),
+                             f"{step} outputs")
         if row_map is not None:  # rows outside the map stay zero
             outside = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
             outside[row_map.long()] = False
-            _assert_equal(out[outside], torch.zeros_like(out[outside]), f"{step} unmapped rows")
+            assert_bit_identical(out[outside], torch.zeros_like(out[outside]),
+                                 f"{step} unmapped rows")
         null_rows = (row_map.long()[~live_rows] if row_map is not None
                      else (~live_rows).nonzero().flatten())
-        _assert_equal(out.index_select(0, null_rows),
-                      torch.zeros_like(out.index_select(0, null_rows)), f"{step} null-page rows")
-        _assert_equal(state_pool, pool_c, f"{step} checkpoints")
-        _assert_equal(record_pool, record_c, f"{step} records")
-        _assert_equal(flag_pool, flag_c, f"{step} flags")
+        assert_bit_identical(out.index_select(0, null_rows),
+                             torch.zeros_like(out.index_select(0, null_rows)),
+                             f"{step} null-page rows")
+        assert_bit_identical(state_pool, pool_c, f"{step} checkpoints")
+        assert_bit_identical(record_pool, record_c, f"{step} records")
+        assert_bit_identical(flag_pool, flag_c, f"{step} flags")
         self.steps += 1
         return out

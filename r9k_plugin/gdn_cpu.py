@@ -14,9 +14,10 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as stock_cpu
 from vllm.utils.torch_utils import _resolve_layer_name, direct_register_custom_op
 
+from r9k.capacity import FLAG_COUNT
 from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
-    FLAG_COUNT, GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
+    GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
 
 _OP_REGISTERED = False
 
@@ -62,7 +63,7 @@ def onepage_cpu_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
     width = layer.conv1d.weight.size(-1)
     conv_buf = stock_cpu._conv_buffer_view(layer)
     ssm_state = stock_cpu._ssm_state_view(layer)
-    flag = layer.kv_cache[3]
+    flag = layer.onepage_flag
     mixed_qkv, b, a = mixed_qkv.contiguous(), b.contiguous(), a.contiguous()
 
     if md.spec_sequence_masks is None:
@@ -99,11 +100,11 @@ def onepage_cpu_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
 
 
 def _replay_one_row(layer, ssm_state, pages) -> None:
-    flag = layer.kv_cache[3]
+    flag = layer.onepage_flag
     live = pages[flag[pages.long(), FLAG_COUNT] > 0]
     if live.numel():
         replay_accepted_rows(VllmCpuOps(layer.A_log, layer.dt_bias), layer.onepage_heads,
-                             ssm_state, layer.kv_cache[2], flag, live,
+                             ssm_state, layer.onepage_record, flag, live,
                              torch.ones_like(live, dtype=torch.int32))
 
 
@@ -117,7 +118,7 @@ def _spec_forward(layer, md, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state
     q, k, v = (t.squeeze(0) for t in layer.rearrange_mixed_qkv(conv_out))
     return onepage_verify_step(
         VllmCpuOps(layer.A_log, layer.dt_bias), layer.onepage_heads, ssm_state,
-        layer.kv_cache[2], layer.kv_cache[3], pages.to(torch.int32),
+        layer.onepage_record, layer.onepage_flag, pages.to(torch.int32),
         num_accepted.to(torch.int32), GdnInputs(q=q, k=k, v=v, a=a_spec, b=b_spec),
         qsl.to(torch.int32))
 

@@ -25,8 +25,9 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend, GDNAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from r9k.capacity import PAGE_FLAG, PAGE_RECORD
 from r9k.kernels.onepage import GdnHeads
-from r9k.models.sizing import record_shapes
+from r9k.models.sizing import record_dtypes, record_shapes
 from r9k.policy import onepage_enabled
 
 logger = logging.getLogger("vllm.r9k")
@@ -78,8 +79,11 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             self._onepage_forward_cpu = gdn_cpu.onepage_forward_cpu
             self._forward_method = self.forward_cpu_onepage
         elif current_platform.is_cuda_alike():
+            from r9k import gdn_gpu
+
             # forward_hip would take AITER's GDN kernels; forward_cuda reaches _forward_core
             self._forward_method = self.forward_cuda
+            self.routed_forward_core = gdn_gpu.bind_routed_forward_core(self)
         else:
             raise RuntimeError(f"r9k one-page GDN has no path for platform "
                                f"{current_platform.device_name}; set R9K_GDN_STATE=stock")
@@ -95,7 +99,7 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         dtypes = super().get_state_dtype()
         if not getattr(self, "onepage", False):
             return dtypes
-        return tuple(dtypes) + (self.model_config.dtype, torch.int32)
+        return tuple(dtypes) + record_dtypes(self._vllm_config)
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -107,6 +111,16 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def get_attn_backend(self):
         return OnePageGDNAttentionBackend if self.onepage else super().get_attn_backend()
 
+    @property
+    def onepage_record(self) -> torch.Tensor:
+        """The page's record view [slots, 2, S, W] (bound by vLLM with the state tensors)."""
+        return self.kv_cache[PAGE_RECORD]
+
+    @property
+    def onepage_flag(self) -> torch.Tensor:
+        """The page's flag words [slots, FLAG_WORDS]."""
+        return self.kv_cache[PAGE_FLAG]
+
     # --- decode paths -------------------------------------------------------------------------
     def forward_cpu_onepage(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self._onepage_forward_cpu(self, hidden_states)
@@ -116,7 +130,7 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
         from r9k.gdn_gpu import onepage_forward_core
 
-        return onepage_forward_core(self, super()._forward_core, mixed_qkv, b, a, core_attn_out)
+        return onepage_forward_core(self, mixed_qkv, b, a, core_attn_out)
 
 
 _layer_registered = False

@@ -102,7 +102,12 @@ def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypat
     layout = cap.gdn_page_layout(cap.HybridModelShape.from_path(path), 1, 7, onepage=True,
                                  state_dtype="float32")
     assert page == layout.page_bytes
-    assert shapes[2] == (2, 8, layout.record_row_width)
+    assert shapes[cap.PAGE_RECORD] == (cap.RECORD_SLOTS, 8, layout.record_row_width)
+    assert shapes[cap.PAGE_FLAG] == (cap.FLAG_WORDS,)
+    # the page's extra dtypes are the capacity module's (record: the model dtype, flag: int32)
+    assert tuple(str(d).removeprefix("torch.") for d in dtypes[cap.PAGE_RECORD:]) == \
+        cap.onepage_extra_dtypes(str(cfg.model_config.dtype).removeprefix("torch.")) == \
+        ("bfloat16", "int32")
     monkeypatch.setenv("R9K_GDN_STATE", "stock")
     stock = Model.get_mamba_state_shape_from_config(cfg)
     assert len(stock) == 2

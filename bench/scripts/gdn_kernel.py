@@ -8,8 +8,8 @@ Kernels are timed inside CUDA graphs (as vLLM runs decode), so launch overhead i
 composed path is also timed eagerly through the step API (it synchronizes with the host).
 Variants of the fused kernel that drop a stage show where its time goes.
 
-    python bench/gdn_kernel.py                        # 27B-TP2 grid, k = 7, fp32 and bf16
-    python bench/gdn_kernel.py --out bench/results/gdn_kernel_h200.json
+    python bench/scripts/gdn_kernel.py                # 27B-TP2 grid, k = 7, fp32 and bf16
+    python bench/scripts/gdn_kernel.py --out bench/results/gdn_kernel_h200.json
 
 Writes JSON (times in microseconds, ratios to stock, modelled bytes moved, achieved bandwidth
 against the measured device copy bandwidth) and prints a table.
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from r9k.capacity import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
 from r9k.kernels.onepage import GdnHeads
-from r9k.kernels.triton_composed import StockTritonComposed, _index_rows
+from r9k.kernels.triton_composed import StockTritonComposed, index_rows
 from r9k.kernels.triton_fused import onepage_fused_step
 
 SHAPES = {
@@ -120,10 +121,10 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     def onepage_pools():
         pool = torch.zeros(1 + n, HV, V, K, dtype=state_dtype, device=dev)
         pool[1:] = init
-        record = rnd(1 + n, 2, S, W)
-        flag = torch.zeros(1 + n, 4, dtype=torch.int32, device=dev)
+        record = rnd(1 + n, RECORD_SLOTS, S, W)
+        flag = torch.zeros(1 + n, FLAG_WORDS, dtype=torch.int32, device=dev)
         clear_flags(flag, pages)
-        flag[1:, 0] = S
+        flag[1:, FLAG_COUNT] = S
         return pool, record, flag
 
     fused_pools = onepage_pools()
@@ -143,8 +144,8 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     ra = rep_rows[:, kd + vd:kd + vd + HV].contiguous()
     rb = rep_rows[:, kd + vd + HV:].contiguous()
     rep_cu = (torch.arange(n + 1) * accepted).to(torch.int32).to(dev)
-    rep_idx = _index_rows(pages, torch.full_like(pages, accepted - 1), accepted)
-    ver_idx = _index_rows(pages, torch.full_like(pages, S), S + 1)
+    rep_idx = index_rows(pages, torch.full_like(pages, accepted - 1), accepted)
+    ver_idx = index_rows(pages, torch.full_like(pages, S), S + 1)
     ver_acc = torch.full((n,), S + 1, dtype=torch.int32, device=dev)
 
     def run_composed_kernels():
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
         "triton": triton.__version__, "python": platform.python_version(),
         "copy_bandwidth_bytes_per_s": copy_bw,
         "method": "median per-launch time, 20 launches per CUDA graph, 15 graph replays",
-        "command": "python bench/gdn_kernel.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python bench/scripts/gdn_kernel.py " + " ".join(argv or sys.argv[1:]),
         "results": results,
     }
     out = Path(args.out)

@@ -5,8 +5,12 @@ from typing import Any
 
 import torch
 
-from r9k.capacity import FLAG_WORDS, HybridModelShape, gdn_page_layout
+from r9k.capacity import FLAG_WORDS, HybridModelShape, gdn_page_layout, onepage_extra_dtypes
 from r9k.policy import onepage_enabled
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _shape_from_vllm(vllm_config: Any) -> HybridModelShape:
@@ -19,7 +23,7 @@ def _shape_from_vllm(vllm_config: Any) -> HybridModelShape:
         linear_key_head_dim=hf.linear_key_head_dim,
         linear_value_head_dim=hf.linear_value_head_dim,
         linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
-        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        dtype=_dtype_name(vllm_config.model_config.dtype),
     )
 
 
@@ -32,6 +36,12 @@ def record_shapes(vllm_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return layout.record_shape, (FLAG_WORDS,)
 
 
+def record_dtypes(vllm_config: Any) -> tuple[torch.dtype, torch.dtype]:
+    """(record dtype, flag dtype) from the capacity module, as torch dtypes."""
+    names = onepage_extra_dtypes(_dtype_name(vllm_config.model_config.dtype))
+    return tuple(getattr(torch, name) for name in names)
+
+
 def onepage_state_shapes(stock_shapes: tuple, vllm_config: Any) -> tuple:
     if not onepage_enabled(vllm_config):
         return stock_shapes
@@ -41,7 +51,7 @@ def onepage_state_shapes(stock_shapes: tuple, vllm_config: Any) -> tuple:
 def onepage_state_dtypes(stock_dtypes: tuple, vllm_config: Any) -> tuple:
     if not onepage_enabled(vllm_config):
         return stock_dtypes
-    return tuple(stock_dtypes) + (vllm_config.model_config.dtype, torch.int32)
+    return tuple(stock_dtypes) + record_dtypes(vllm_config)
 
 
 class OnePageSizing:

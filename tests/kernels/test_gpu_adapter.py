@@ -1,8 +1,9 @@
-"""The plugin's GPU path glue (r9k.gdn_gpu) without a GPU: vLLM's own spec-path calls, routed
-into the one-page step, run the fused kernel under Triton's interpreter exactly as a direct
-step call does; the conv update gets S from the configuration; a non-spec decode replays one
-live row first and clears the flag. (The interpreter is chosen at kernel decoration, so the
-cases run in a fresh process.)"""
+"""The plugin's GPU path glue (r9k.gdn_gpu) without a GPU: vLLM's `_forward_core` is bound once
+per one-page layer with its two spec-path calls routed and vLLM's module left untouched; run on
+a spec + non-spec decode batch, the spec recurrence runs the fused kernel under Triton's
+interpreter exactly as a direct step call does, the conv update gets S from the configuration,
+and a non-spec decode replays one live row first and clears the flag. (The interpreter is chosen
+at kernel decoration, so the cases run in a fresh process.)"""
 import os
 import subprocess
 import sys
@@ -20,4 +21,5 @@ def test_gpu_path_adapter_under_interpreter():
                          timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert lines[-4:] == ["spec call routed", "conv routed", "non-spec decode routed", "ok"]
+    assert lines[-5:] == ["bound once", "spec call routed", "forward core routed",
+                          "non-spec decode routed", "ok"]
