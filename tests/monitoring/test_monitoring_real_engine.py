@@ -65,8 +65,9 @@ def test_real_engine_replica(tmp_path):
             assert api.query('r9k_replica_info{replica="cpu0",page_mode="onepage",'
                              'layout_source="plugin"}')
             # Prometheus scrapes the plugin's series straight off the replica too
-            assert api.query('r9k_plugin_info{job="vllm",page_mode="onepage",reason="",'
-                             'cache_mode="none",gdn_pages_per_request="1"}')
+            api.wait("the plugin's series scraped off the replica", lambda: api.query(
+                'r9k_plugin_info{job="vllm",page_mode="onepage",reason="",cache_mode="none",'
+                'gdn_pages_per_request="1"}'))
 
             clients = [threading.Thread(target=_stream_long_request, args=(server.url, stop),
                                         daemon=True) for _ in range(3)]
@@ -88,7 +89,10 @@ def test_real_engine_replica(tmp_path):
             ratio = api.wait("the pinned share while requests run", ratio_while_running,
                              timeout_s=60)
             assert ratio == pytest.approx(per_request["total"])
-            assert api.value('max_over_time(vllm:num_requests_running{job="vllm"}[5m])') >= 1
+            # Prometheus scrapes vLLM directly too, on its own schedule: wait for a scrape that
+            # saw the requests running (a one-shot read raced it: baseline CI failed on it)
+            api.wait("vLLM's own running gauge scraped while requests run", lambda: api.value(
+                'max_over_time(vllm:num_requests_running{job="vllm"}[5m])') >= 1, timeout_s=60)
     finally:
         stop.set()
         if exporter is not None:
