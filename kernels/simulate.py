@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from r9k.capacity import FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
+from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
     replay_accepted_rows)
@@ -49,17 +49,19 @@ class SimStats:
     # rows replay_accepted_rows replayed, per layer, live sequence and step (the step after
     # prefill included), measured on the pools the one-page step left behind
     replay_hist: Counter = field(default_factory=Counter)
+    # the same replays as (rows replayed, live rows the record held) pairs
+    replay_of_record: Counter = field(default_factory=Counter)
 
 
 def assert_replay_coverage(stats: SimStats, num_candidates: int) -> None:
-    """The run replayed after zero acceptance (1 row: the bonus token), partial acceptance
-    (2 .. S-1 rows) and full acceptance (S = num_candidates rows)."""
-    hist = dict(stats.replay_hist)
-    assert stats.replay_hist[1] > 0, f"no bonus-only (1-row) replay: {hist}"
-    assert any(stats.replay_hist[r] > 0 for r in range(2, num_candidates)), \
-        f"no partial replay (2..{num_candidates - 1} rows): {hist}"
-    assert stats.replay_hist[num_candidates] > 0, \
-        f"no full replay ({num_candidates} rows): {hist}"
+    """The run replayed after zero acceptance (the bonus row of a record with drafts), partial
+    acceptance (2 .. c-1 of c rows) and full acceptance of S = num_candidates rows."""
+    pairs = stats.replay_of_record
+    seen = dict(sorted(pairs.items()))
+    assert any(r == 1 < c for r, c in pairs), f"no zero acceptance (bonus row only): {seen}"
+    assert any(1 < r < c for r, c in pairs), f"no partial acceptance: {seen}"
+    assert pairs[(num_candidates, num_candidates)] > 0, \
+        f"no full acceptance of {num_candidates} rows: {seen}"
 
 
 def _gated_norm(o: torch.Tensor, z: torch.Tensor, gate: str) -> torch.Tensor:
@@ -139,6 +141,7 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
         """Replay on copies of the pools: the checkpoint must equal the slot stock reads next."""
         for L in layers:
             pp, rp, fp = L["page_pool"].clone(), L["record_pool"].clone(), L["flag_pool"].clone()
+            live_rows = fp[pages.long(), FLAG_COUNT]
             replayed = replay_accepted_rows(L["backend"], h, pp, rp, fp, pages,
                                             num_accepted.to(dev))
             for i in range(n):
@@ -148,8 +151,10 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
                 assert_bit_identical(pp[int(pages[i])], L["slot_pool"][slot],
                                      f"{when}: checkpoint of seq {i}")
                 stats.checkpoint_checks += 1
-            for r in replayed[~is_null.to(dev)].tolist():
+            live_seqs = ~is_null.to(dev)
+            for r, c in zip(replayed[live_seqs].tolist(), live_rows[live_seqs].tolist()):
                 stats.replay_hist[int(r)] += 1
+                stats.replay_of_record[(int(r), int(c))] += 1
             assert_bit_identical(L["flag_pool"][NULL_PAGE], L["null_flag"],
                                  f"{when}: null page flag")
             assert_bit_identical(L["record_pool"][NULL_PAGE], L["null_record"],

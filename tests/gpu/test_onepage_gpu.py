@@ -32,10 +32,10 @@ def _sim(heads, prefetch=True, **kw):
     st = run_simulation(cfg, composed_backend, onepage_step=chk)
     assert chk.steps == cfg.steps * cfg.layers
     live = cfg.num_seqs - cfg.null_pages
+    # only the step after prefill replays nothing; later steps replay the bonus row at least
+    assert st.replay_hist[0] == cfg.layers * live, dict(st.replay_hist)
     assert st.checkpoint_checks == (1 + cfg.steps) * cfg.layers * live  # after prefill + steps
     assert st.compared_rows > 0
-    # only the step after prefill replays nothing; later steps replay the bonus row at least
-    assert st.replay_hist[0] == cfg.layers * live
     return st
 
 

@@ -27,10 +27,10 @@ def test_reference_random_acceptance(state_dtype, num_seqs, gate):
                                   state_dtype=state_dtype, gate=gate, layers=2,
                                   seed=num_seqs), torch_backend)
     assert st.steps == 6 and st.compared_rows > 0
-    assert st.checkpoint_checks == 2 * (1 + 6) * num_seqs  # 2 layers, after prefill + 6 steps
     # only the step after prefill replays nothing (each layer, each sequence); later steps
     # replay at least the bonus token's row
-    assert st.replay_hist[0] == 2 * num_seqs
+    assert st.replay_hist[0] == 2 * num_seqs, dict(st.replay_hist)
+    assert st.checkpoint_checks == 2 * (1 + 6) * num_seqs  # 2 layers, after prefill + 6 steps
     if num_seqs > 1:  # a lone sequence's six steps are too few to hit full acceptance
         assert_replay_coverage(st, num_candidates=1 + 3)
 
@@ -38,7 +38,7 @@ def test_reference_random_acceptance(state_dtype, num_seqs, gate):
 def test_reference_row_map_and_null_pages():
     st = run_simulation(SimConfig(SMALL, num_seqs=9, num_spec=7, steps=8, row_map=True,
                                   null_pages=3, seed=3), torch_backend)
-    assert st.replay_hist[0] == 9 - 3  # live pages, after prefill only
+    assert st.replay_hist[0] == 9 - 3, dict(st.replay_hist)  # live pages, after prefill only
     assert_replay_coverage(st, num_candidates=1 + 7)
 
 
@@ -72,8 +72,8 @@ def test_vllm_cpu_op_random_acceptance(state_dtype, num_seqs, num_spec):
     st = run_simulation(SimConfig(heads, num_seqs=num_seqs, num_spec=num_spec, steps=6,
                                   state_dtype=state_dtype, row_map=num_seqs > 1, layers=2,
                                   seed=11 + num_seqs), VllmCpuOps)
+    assert st.replay_hist[0] == 2 * num_seqs, dict(st.replay_hist)  # after prefill only
     assert st.checkpoint_checks == 2 * (1 + 6) * num_seqs
-    assert st.replay_hist[0] == 2 * num_seqs  # after prefill only
     if num_seqs > 1:
         assert_replay_coverage(st, num_candidates=1 + num_spec)
 
