@@ -24,7 +24,6 @@ from r9k.deploy import ray_backend
 from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec
 from r9k.deploy.engine import engine_argv, engine_env, planned_pool, prove_pages
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
-from r9k.vllm_metrics import parse_vllm_metrics
 from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)

