@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 
 from r9k import capacity as cap
-from r9k.http_client import http_request
+from r9k.http_client import http_get, http_request
+from r9k.vllm_metrics import parse_vllm_metrics
 from r9k.deploy.server import ApiServerLaunch, ServerError, ServerProcess
 from r9k.devtools.engine_runs import KV_LINE
 
@@ -115,8 +116,11 @@ def demo(workdir: Path, num_spec: int, kv_mib: int, max_model_len: int, max_toke
             chat = http_json(server.url + "/v1/chat/completions", {
                 "model": "tiny", "messages": [{"role": "user", "content": "Say hi"}],
                 "max_tokens": 8, "temperature": 0})
+            page = parse_vllm_metrics(http_get(server.url + "/metrics").decode()).plugin or {}
             result["modes"][mode] = {
                 "ready_s": round(started, 1), "kv_cache_tokens": server.kv_tokens(),
+                "page_mode_metric": {k: page.get(k) for k in ("page_mode", "reason",
+                                                              "gdn_pages_per_request")},
                 "answers": [{"prompt": p, "token_ids": ids, "text": text}
                             for p, (ids, text) in zip(PROMPTS, answers)],
                 "chat": chat["choices"][0]["message"]["content"]}
@@ -143,7 +147,13 @@ def _print(result: dict, plan: cap.CapacityPlan) -> None:
     click.echo(f"{'pool pinned by 8 running requests':34}{plan.stock.pinned_fraction:>12.1%}"
                f"{plan.onepage.pinned_fraction:>12.1%}")
     click.echo(f"{'server ready after (s)':34}{s['ready_s']:>12}{o['ready_s']:>12}")
+    sp, op = s["page_mode_metric"], o["page_mode_metric"]
+    click.echo(f"{'page mode (r9k_plugin_info)':34}{sp['page_mode'] or '-':>12}"
+               f"{op['page_mode'] or '-':>12}")
+    click.echo(f"{'GDN pages per request':34}{sp['gdn_pages_per_request'] or '-':>12}"
+               f"{op['gdn_pages_per_request'] or '-':>12}")
     ok = (s["kv_cache_tokens"] == plan.stock.tokens and o["kv_cache_tokens"] == plan.onepage.tokens
+          and (sp["page_mode"], op["page_mode"]) == ("stock", "onepage")
           and all(a["token_ids"] == b["token_ids"] for a, b in zip(s["answers"], o["answers"])))
     click.echo(f"\none-page holds x{o['kv_cache_tokens'] / s['kv_cache_tokens']:.3f} the tokens; "
                f"outputs identical and planner exact: {'yes' if ok else 'NO'}")
