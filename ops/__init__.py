@@ -5,7 +5,10 @@ API for other components (imports stay light: no vllm, torch or ray):
 - ``power_status(config, host_root="/", state_dir=None)`` -> list of ``CardStatus``: wanted vs
   actual cap and offset per card, drift, health (from :mod:`r9k.ops.power`).
 - ``load_config(path)`` -> ``OpsConfig`` (from :mod:`r9k.ops.config`).
-- ``read_card_states(state_dir)`` -> {BDF: ``CardState``}, ``EVENT_TYPES`` (from :mod:`r9k.ops.state`).
+- ``read_card_states(state_dir)`` -> ``CardStates`` ({BDF: ``CardState``} plus ``.corrupt``
+  {BDF: reason} and ``.unhealthy()``), ``EVENT_TYPES`` (from :mod:`r9k.ops.state`).
+- ``card_presence(config, present_bdfs)`` -> ``CardPresence(expected, present, missing)``;
+  ``read_host_events(state_dir)`` -> list of ``HostEvent`` (unattributed faults).
 - ``discover_cards(host_root)`` (from :mod:`r9k.ops.sysfs`).
 """
 from __future__ import annotations
@@ -23,6 +26,12 @@ _EXPORTS = {
     "read_card_state": "r9k.ops.state",
     "CardState": "r9k.ops.state",
     "EVENT_TYPES": "r9k.ops.state",
+    "CardStates": "r9k.ops.state",
+    "StateFileError": "r9k.ops.state",
+    "card_presence": "r9k.ops.state",
+    "CardPresence": "r9k.ops.state",
+    "read_host_events": "r9k.ops.state",
+    "HostEvent": "r9k.ops.state",
     "DEFAULT_STATE_DIR": "r9k.ops.state",
     "discover_cards": "r9k.ops.sysfs",
 }

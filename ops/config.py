@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
 from r9k.config_errors import validation_message
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
@@ -53,7 +53,31 @@ class OpsConfig(BaseModel):
     defaults: PowerSettings = PowerSettings()
     cards: dict[StrictStr, PowerSettings] = {}
     hooks: list[Union[StrictStr, list[StrictStr]]] = []
+    hook_timeout_s: Union[StrictInt, StrictFloat] = 60
     fault_events: list[StrictStr] = list(DEFAULT_FAULT_EVENTS)
+    # An int: at least that many amdgpu cards; a list: these PCI addresses must all be present.
+    expected_cards: Union[StrictInt, list[StrictStr]] = 1
+
+    @field_validator("hook_timeout_s")
+    @classmethod
+    def _timeout_positive(cls, value: float) -> float:
+        if not 0 < value <= 3600:
+            raise ValueError(f"expected seconds in (0, 3600], got {value}")
+        return value
+
+    @field_validator("expected_cards")
+    @classmethod
+    def _expected_cards(cls, value: int | list[str]) -> int | list[str]:
+        if isinstance(value, int):
+            if value < 0:
+                raise ValueError(f"expected a card count >= 0 or a list of PCI addresses, got {value}")
+            return value
+        for bdf in value:
+            if not BDF_RE.match(bdf):
+                raise ValueError(f"{bdf!r}: expected a full lowercase PCI address like 0000:03:00.0")
+        if len(set(value)) != len(value):
+            raise ValueError("a PCI address is listed twice")
+        return value
 
     @field_validator("cards")
     @classmethod
@@ -98,6 +122,8 @@ _EXPECTED = {
     "power_cap_watts": "a YAML integer of watts such as 210 (no quotes, no unit)",
     "voltage_offset_mv": "a YAML integer of millivolts such as -42 (no quotes, no unit)",
     "backend": "one of auto, lact, sysfs",
+    "hook_timeout_s": "a YAML number of seconds such as 30",
+    "expected_cards": "a card count such as 4, or a list of PCI addresses",
 }
 
 

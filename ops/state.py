@@ -1,7 +1,9 @@
 """Ops state directory: one small JSON file per card, shared with deploy and monitoring.
 
-Layout: ``<state_dir>/cards/<BDF>.json`` (written atomically, updated under a lock) plus the
-watcher's own ``<state_dir>/watch-cursor.json``. Readers use :func:`read_card_states`.
+Layout: ``<state_dir>/cards/<BDF>.json`` (written atomically, updated under a lock), host-level
+events (faults no card can be named for) in ``<state_dir>/host-events.json``, and the watcher's own
+``<state_dir>/watch-cursor.json``. Readers use :func:`read_card_states`, :func:`read_host_events`
+and :func:`card_presence`.
 """
 from __future__ import annotations
 
@@ -42,6 +44,27 @@ BDF_PATTERN = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 BDF_RE = re.compile(rf"^{BDF_PATTERN}$")
 # Positions kept per card for exactly-once counting; older streams (earlier boots) are dropped.
 _MAX_STREAMS = 8
+# Identities of records from unordered sources (saved text logs) kept per card / for the host.
+_MAX_SEEN_IDS = 1024
+# Kernel records are under 1 KiB; anything longer is not a kernel message worth storing whole.
+MAX_MESSAGE_CHARS = 1024
+HOST_EVENTS_FILE = "host-events.json"
+
+
+def cap_message(message: str) -> str:
+    """A message as stored and handed to hooks: at most MAX_MESSAGE_CHARS (state JSON, env)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 20] + f"... [{len(message)} chars]"
+
+
+class StateFileError(ValueError):
+    """A state file exists but cannot be read as state (corrupt, not JSON, wrong shape)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: unreadable ops state ({reason})")
 
 
 @dataclass
@@ -63,8 +86,10 @@ class CardState:
     unhealthy_boot_id: str | None = None  # fencing of sysfs access lasts until the next boot
     counts: dict[str, int] = field(default_factory=lambda: {t: 0 for t in EVENT_TYPES})
     last_event: LastEvent | None = None
-    # stream id -> last counted ordinal (kmsg seq, journal seqnum, file offset): exactly-once.
+    # stream id -> last counted ordinal (kmsg boot+seq, journal seqnum): exactly-once.
     positions: dict[str, int] = field(default_factory=dict)
+    # record identities from saved text logs (no ordinal there), most recent last: exactly-once.
+    seen_ids: list[str] = field(default_factory=list)
     power_ok: bool | None = None
     power_drift: list[str] = field(default_factory=list)
     power_checked_at: float | None = None
@@ -97,14 +122,30 @@ class CardState:
             return False
         return not (self.last_event and self.last_event.type == "reset_succeeded")
 
-    def seen(self, stream: str, ordinal: int) -> bool:
-        return stream in self.positions and ordinal <= self.positions[stream]
+    def seen(self, stream: str, ordinal: int, record_id: str | None = None) -> bool:
+        return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
 
-    def mark_seen(self, stream: str, ordinal: int) -> None:
-        self.positions.pop(stream, None)
-        self.positions[stream] = ordinal  # re-insert: dict order is recency
-        while len(self.positions) > _MAX_STREAMS:
-            self.positions.pop(next(iter(self.positions)))
+    def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
+        _mark_seen(self.positions, self.seen_ids, stream, ordinal, record_id)
+
+
+def _seen(positions: dict[str, int], seen_ids: list[str], stream: str, ordinal: int,
+          record_id: str | None) -> bool:
+    if record_id is not None:
+        return record_id in seen_ids
+    return stream in positions and ordinal <= positions[stream]
+
+
+def _mark_seen(positions: dict[str, int], seen_ids: list[str], stream: str, ordinal: int,
+               record_id: str | None) -> None:
+    if record_id is not None:
+        seen_ids.append(record_id)
+        del seen_ids[:-_MAX_SEEN_IDS]
+        return
+    positions.pop(stream, None)
+    positions[stream] = ordinal  # re-insert: dict order is recency
+    while len(positions) > _MAX_STREAMS:
+        positions.pop(next(iter(positions)))
 
 
 def cards_dir(state_dir: str | os.PathLike) -> Path:
@@ -117,27 +158,163 @@ def card_state_path(state_dir: str | os.PathLike, bdf: str) -> Path:
     return cards_dir(state_dir) / f"{bdf}.json"
 
 
-def read_card_state(state_dir: str | os.PathLike, bdf: str) -> CardState | None:
-    path = card_state_path(state_dir, bdf)
+def _load_card_file(path: Path) -> CardState:
+    """One card file; FileNotFoundError when absent, StateFileError when present but unreadable."""
     try:
-        return CardState.from_json(json.loads(path.read_text()))
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StateFileError(path, exc.strerror or str(exc)) from None
+    try:
+        state = CardState.from_json(json.loads(raw.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise StateFileError(path, str(exc).splitlines()[0][:200]) from None
+    if state.bdf != path.stem:
+        raise StateFileError(path, f"names card {state.bdf!r}, expected {path.stem!r}")
+    return state
+
+
+def read_card_state(state_dir: str | os.PathLike, bdf: str) -> CardState | None:
+    """One card's state; None when it has none. Raises StateFileError when its file is corrupt."""
+    try:
+        return _load_card_file(card_state_path(state_dir, bdf))
     except FileNotFoundError:
         return None
 
 
-def read_card_states(state_dir: str | os.PathLike) -> dict[str, CardState]:
-    """All card states by BDF; unreadable files are skipped (a reader must never crash on them)."""
-    out: dict[str, CardState] = {}
+class CardStates(dict):
+    """{BDF: CardState} plus ``corrupt``: {BDF: reason} for card files that exist but cannot be
+    read. A card in ``corrupt`` must be treated as unhealthy (its file may say it is fenced)."""
+
+    def __init__(self, states: dict[str, CardState] | None = None, corrupt: dict[str, str] | None = None):
+        super().__init__(states or {})
+        self.corrupt: dict[str, str] = dict(corrupt or {})
+
+    def unhealthy(self) -> dict[str, str]:
+        """{BDF: reason} for every card not to place work on: fenced ones and corrupt files."""
+        out = {b: s.unhealthy_reason or "unhealthy" for b, s in self.items() if not s.healthy}
+        out.update({b: f"ops state file unreadable: {why}" for b, why in self.corrupt.items()})
+        return out
+
+
+def read_card_states(state_dir: str | os.PathLike) -> CardStates:
+    """All readable card states by BDF, as a :class:`CardStates` dict.
+
+    A card file that exists but cannot be read (not JSON, wrong shape, not UTF-8, unreadable) is
+    NOT silently skipped: it is listed in the result's ``corrupt`` mapping {BDF (the file name):
+    one-line reason}, and is absent from the dict itself. Fail closed: callers that decide where
+    work may go use ``result.unhealthy()``, which counts corrupt cards as unhealthy; exporters export
+    ``result.corrupt``. A missing state directory gives an empty result (nothing recorded yet).
+    """
+    out = CardStates()
     directory = cards_dir(state_dir)
     if not directory.is_dir():
         return out
     for path in sorted(directory.glob("*.json")):
         try:
-            state = CardState.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            state = _load_card_file(path)
+        except FileNotFoundError:
+            continue  # removed between listing and reading
+        except StateFileError as exc:
+            out.corrupt[path.stem] = exc.reason
             continue
         out[state.bdf] = state
     return out
+
+
+@dataclass
+class CardPresence:
+    """Cards the config expects vs cards on the host. ``missing`` names absent expected cards
+    (only when the config lists PCI addresses; a bare count cannot name them)."""
+
+    expected: int
+    present: int
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.present >= self.expected and not self.missing
+
+    def message(self) -> str:
+        """One line for operators when not ``ok``."""
+        if self.missing:
+            return (f"fewer cards than expected: {', '.join(self.missing)} missing "
+                    f"({self.present} of {self.expected} expected cards present; expected_cards in the ops config)")
+        return (f"fewer cards than expected: {self.present} amdgpu card(s) present, expected at least "
+                f"{self.expected} (expected_cards in the ops config)")
+
+
+def card_presence(config: Any, present_bdfs: list[str]) -> CardPresence:
+    """Pure: compare ``config.expected_cards`` (an int: at least that many amdgpu cards; a list of
+    PCI addresses: exactly those must be present) with the BDFs found on the host."""
+    expected = config.expected_cards
+    present = set(present_bdfs)
+    if isinstance(expected, int):
+        return CardPresence(expected=expected, present=len(present))
+    missing = [bdf for bdf in expected if bdf not in present]
+    return CardPresence(expected=len(expected), present=len(expected) - len(missing), missing=missing)
+
+
+@dataclass
+class HostEvent:
+    """A kernel event no card could be named for (no PCI address and no evidence in the lines
+    around it), by type: ``count`` new occurrences, ``message`` the latest one (capped),
+    ``first_seen``/``last_seen`` unix seconds when the watcher recorded them."""
+
+    type: str
+    message: str
+    first_seen: float
+    count: int
+    last_seen: float | None = None
+
+
+def host_events_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir) / HOST_EVENTS_FILE
+
+
+def _load_host_file(state_dir: str | os.PathLike) -> dict[str, Any]:
+    path = host_events_path(state_dir)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return {"events": {}, "positions": {}, "seen_ids": []}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StateFileError(path, str(exc).splitlines()[0][:200]) from None
+    if not isinstance(data, dict) or not isinstance(data.get("events"), dict):
+        raise StateFileError(path, "expected an object with an 'events' mapping")
+    data.setdefault("positions", {})
+    data.setdefault("seen_ids", [])
+    return data
+
+
+def read_host_events(state_dir: str | os.PathLike) -> list[HostEvent]:
+    """Host-level (unattributed) events by type, sorted by type; [] when none were recorded.
+    Raises StateFileError when ``host-events.json`` exists but is corrupt (never read as 'none')."""
+    data = _load_host_file(state_dir)
+    try:
+        return [HostEvent(**ev) for _, ev in sorted(data["events"].items())]
+    except TypeError as exc:
+        raise StateFileError(host_events_path(state_dir), str(exc)) from None
+
+
+def record_host_event(state_dir: str | os.PathLike, event_type: str, message: str, stream: str,
+                      ordinal: int, record_id: str | None = None) -> bool:
+    """Count one unattributed event exactly once (same identity rules as cards); True when new.
+    Written atomically under the state-dir lock, like the card files."""
+    with _locked(state_dir):
+        data = _load_host_file(state_dir)
+        if _seen(data["positions"], data["seen_ids"], stream, ordinal, record_id):
+            return False
+        _mark_seen(data["positions"], data["seen_ids"], stream, ordinal, record_id)
+        now = time.time()
+        current = data["events"].get(event_type)
+        if current is None:
+            current = {"type": event_type, "message": "", "first_seen": now, "count": 0}
+        current.update(message=cap_message(message), count=int(current["count"]) + 1, last_seen=now)
+        data["events"][event_type] = current
+        atomic_write_json(host_events_path(state_dir), data)
+    return True
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -170,12 +347,25 @@ def _locked(state_dir: str | os.PathLike) -> Iterator[None]:
 
 
 def update_card_state(
-    state_dir: str | os.PathLike, bdf: str, change: Callable[[CardState], Any]
+    state_dir: str | os.PathLike, bdf: str, change: Callable[[CardState], Any],
+    replace_corrupt: bool = False,
 ) -> CardState:
-    """Read-modify-write one card's state under the state-dir lock (watcher and reconcile share it)."""
+    """Read-modify-write one card's state under the state-dir lock (watcher and reconcile share it).
+
+    A corrupt file raises StateFileError and is left alone, unless ``replace_corrupt``: then it is
+    kept as ``<BDF>.json.corrupt-<unix seconds>`` and ``change`` applies to a fresh state that starts
+    unhealthy (the lost file may have said the card was fenced)."""
     path = card_state_path(state_dir, bdf)
     with _locked(state_dir):
-        state = read_card_state(state_dir, bdf) or CardState(bdf=bdf)
+        try:
+            state = read_card_state(state_dir, bdf) or CardState(bdf=bdf)
+        except StateFileError as exc:
+            if not replace_corrupt:
+                raise
+            kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+            os.replace(path, kept)
+            state = CardState(bdf=bdf, healthy=False, unhealthy_since=time.time(),
+                              unhealthy_reason=f"ops state file was unreadable ({exc.reason}); kept as {kept.name}")
         change(state)
         state.updated_at = time.time()
         atomic_write_json(path, state.to_json())
@@ -191,4 +381,4 @@ def clear_card(state_dir: str | os.PathLike, bdf: str) -> CardState:
         state.unhealthy_since = None
         state.unhealthy_boot_id = None
 
-    return update_card_state(state_dir, bdf, _clear)
+    return update_card_state(state_dir, bdf, _clear, replace_corrupt=True)
