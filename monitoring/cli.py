@@ -36,11 +36,14 @@ DEFAULT_PORT = 9700
               help="Fleet status URL returning {\"replicas\": [...]} (replica list and states).")
 @click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True,
               help="Seconds to wait for one replica or the fleet status.")
+@click.option("--replica-budget", "replica_budget_s", type=float, default=5.0, show_default=True,
+              help="Seconds for the whole replica phase of a scrape (fleet status and every replica); "
+                   "replicas unanswered by then read r9k_replica_up 0. Keep it under the scrape_timeout.")
 @click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
 def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path: str,
              replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
-             timeout_s: float, once: bool, as_json: bool) -> None:
+             timeout_s: float, replica_budget_s: float, once: bool, as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
     from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, load_replica_file, parse_replica_spec
@@ -51,6 +54,8 @@ def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path
         raise BadInput(f"--host-root {host_root}: no sys/ directory under it (expected / or a host tree)")
     if timeout_s <= 0:
         raise BadInput(f"--timeout {timeout_s}: expected seconds > 0")
+    if replica_budget_s <= 0:
+        raise BadInput(f"--replica-budget {replica_budget_s}: expected seconds > 0")
     if fleet_url is not None and not fleet_url.startswith(("http://", "https://")):
         raise BadInput(f"--fleet {fleet_url!r}: expected an http(s):// URL of the fleet status")
     if as_json and not once:
@@ -67,7 +72,8 @@ def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path
     if dupes:
         raise BadInput(f"replica name {', '.join(dupes)} given twice; expected unique names (add name=...)")
 
-    collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s)
+    collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s,
+                                replica_budget_s)
     registry = build_registry(collector)
     if once:
         if as_json:

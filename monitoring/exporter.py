@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from r9k.monitoring.cards import CardCollector
-from r9k.monitoring.replicas import DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
+from r9k.monitoring.replicas import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
 from r9k.monitoring.scrape_errors import ScrapeErrors
 from r9k.ops.config import DEFAULT_CONFIG_PATH
 from r9k.ops.state import DEFAULT_STATE_DIR
@@ -42,11 +42,12 @@ class R9kCollector:
 def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.PathLike | None = DEFAULT_STATE_DIR,
                     config_path: str | os.PathLike = DEFAULT_CONFIG_PATH,
                     replicas: list[ReplicaDescription] | None = None, fleet_url: str | None = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> R9kCollector:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, replica_budget_s: float = DEFAULT_BUDGET_S
+                    ) -> R9kCollector:
     errors = ScrapeErrors()
     return R9kCollector({
         "cards": CardCollector(errors, host_root, state_dir, config_path),
-        "replicas": ReplicaCollector(errors, replicas, fleet_url, timeout_s),
+        "replicas": ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s),
     }, errors)
 
 

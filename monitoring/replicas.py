@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -30,6 +31,10 @@ from r9k.monitoring.scrape_errors import ScrapeErrors
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
 PINNED_KINDS = ("gdn", "attention")
 DEFAULT_TIMEOUT_S = 2.0
+# The whole replica phase (fleet status and every replica) ends by this deadline, so hung replicas
+# cannot push a scrape past Prometheus' 10 s scrape_timeout and take the card metrics with them.
+DEFAULT_BUDGET_S = 5.0
+MAX_PARALLEL_READS = 64  # replicas are read all at once up to this many; the rest queue
 
 
 class ReplicaDescription(BaseModel):
@@ -125,22 +130,26 @@ class ReplicaCollector:
     """Scrapes every replica (in parallel, with a timeout) each time Prometheus scrapes us."""
 
     def __init__(self, errors: ScrapeErrors, replicas: list[ReplicaDescription] | None = None,
-                 fleet_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 fleet_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 budget_s: float = DEFAULT_BUDGET_S) -> None:
         self.errors = errors
         self.static = list(replicas or [])
         self.fleet_url = fleet_url
         self.timeout_s = timeout_s
+        self.budget_s = budget_s
         self._lock = threading.Lock()
+        self._tally = threading.local()  # per read thread: failures not yet counted
         self._last_fleet: list[ReplicaDescription] = []
         self._models: dict[str, dict[str, Any]] = {}   # url -> /v1/models entry (stable per engine)
         self._shapes: dict[str, capacity.HybridModelShape] = {}
         self._last_model: dict[str, str] = {}         # replica -> model label, kept while it is down
 
-    def descriptions(self) -> list[ReplicaDescription]:
+    def descriptions(self, timeout_s: float | None = None) -> list[ReplicaDescription]:
         by_name = {d.name: d for d in self.static}
         if self.fleet_url:
             try:
-                status = FleetStatus.model_validate(json.loads(_get(self.fleet_url, self.timeout_s)))
+                status = FleetStatus.model_validate(json.loads(
+                    _get(self.fleet_url, self.timeout_s if timeout_s is None else timeout_s)))
                 fleet = status.replicas
                 with self._lock:
                     self._last_fleet = fleet
@@ -152,12 +161,47 @@ class ReplicaCollector:
         return list(by_name.values())
 
     def collect(self) -> Iterator[Metric]:
-        descs = self.descriptions()
+        deadline = time.monotonic() + self.budget_s
+        descs = self.descriptions(min(self.timeout_s, self.budget_s / 2))  # half left for replicas
         readings: list[ReplicaReading] = []
         if descs:
-            with ThreadPoolExecutor(max_workers=min(8, len(descs))) as pool:
-                readings = list(pool.map(self.read_replica, descs))
+            # No `with`: leaving it would wait for hung reads; they end on their own timeout.
+            pool = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_READS, len(descs)),
+                                      thread_name_prefix="r9k-replica")
+            futures = [pool.submit(self._read_tallied, d) for d in descs]
+            wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            pool.shutdown(wait=False, cancel_futures=True)
+            for desc, future in zip(descs, futures):
+                if future.done() and not future.cancelled():
+                    reading, tally = future.result()
+                    for source in tally:
+                        self.errors.count(source)
+                    readings.append(reading)
+                else:  # past the phase deadline: unanswered this scrape
+                    readings.append(self._down(desc))
         yield from self._families(readings)
+
+    def _read_tallied(self, desc: ReplicaDescription) -> tuple[ReplicaReading, list[str]]:
+        """A read whose failures count only if it ends within the phase deadline (a late read
+        was already counted as down)."""
+        self._tally.sources = []
+        try:
+            return self.read_replica(desc), self._tally.sources
+        finally:
+            self._tally.sources = None
+
+    def _count(self, source: str) -> None:
+        sources = getattr(self._tally, "sources", None)
+        if sources is None:
+            self.errors.count(source)
+        else:
+            sources.append(source)
+
+    def _down(self, desc: ReplicaDescription) -> ReplicaReading:
+        self._count("replica")
+        with self._lock:
+            model = desc.model or self._last_model.get(desc.name, "")
+        return ReplicaReading(desc, False, model, page_mode=desc.page_mode or "stock")
 
     # -- one replica -----------------------------------------------------------------------------
 
@@ -166,10 +210,7 @@ class ReplicaCollector:
             text = _get(desc.url + desc.metrics_path, self.timeout_s).decode("utf-8", "replace")
             metrics = parse_vllm_metrics(text)
         except (OSError, ValueError):
-            self.errors.count("replica")
-            with self._lock:
-                model = desc.model or self._last_model.get(desc.name, "")
-            return ReplicaReading(desc, False, model, page_mode=desc.page_mode or "stock")
+            return self._down(desc)
         model = desc.model or metrics.model_name or ""
         with self._lock:
             self._last_model[desc.name] = model
@@ -199,7 +240,7 @@ class ReplicaCollector:
             return Layout(page_mode, int(plugin["num_gdn_groups"]), int(plugin["num_attention_groups"]),
                           int(plugin["gdn_pages_per_request"]), "plugin")
         except (KeyError, ValueError):
-            self.errors.count("replica")  # the plugin's gauge lacks a label we document
+            self._count("replica")  # the plugin's gauge lacks a label we document
             return None
 
     def _model_entry(self, desc: ReplicaDescription) -> dict[str, Any] | None:
@@ -213,7 +254,7 @@ class ReplicaCollector:
             if not isinstance(entry, dict):
                 raise ValueError("model entry is not an object")
         except (OSError, ValueError, KeyError, IndexError, TypeError):
-            self.errors.count("replica")
+            self._count("replica")
             return None
         with self._lock:
             self._models[desc.url] = entry
@@ -233,7 +274,7 @@ class ReplicaCollector:
             try:
                 shape = capacity.HybridModelShape.from_path(path)
             except capacity.CapacityInputError:
-                self.errors.count("model_config")
+                self._count("model_config")
                 return None
             with self._lock:
                 self._shapes[path] = shape
@@ -252,7 +293,7 @@ class ReplicaCollector:
             capacity.validate(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=1,
                               max_model_len=1, platform=desc.platform, state_dtype=None, running=0)
         except capacity.CapacityInputError:
-            self.errors.count("model_config")
+            self._count("model_config")
             return None
         # Group counts and pages per request do not depend on memory or length.
         pool = capacity.plan_pool(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=0,
@@ -272,7 +313,7 @@ class ReplicaCollector:
                                         onepage=page_mode == "onepage", max_model_len=max_len,
                                         platform=desc.platform, state_dtype=state_dtype)
         except capacity.CapacityInputError:
-            self.errors.count("model_config")
+            self._count("model_config")
             return None
         return {"stock": result.stock.tokens, "onepage": result.onepage.tokens}
 

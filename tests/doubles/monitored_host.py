@@ -134,6 +134,44 @@ class FakeFleet(_Server):
         return None
 
 
+class HungReplicas:
+    """``count`` HTTP servers on loopback that accept a request and never answer (a deadlocked
+    engine's API server); ``urls`` while inside the ``with``; leaving releases the handlers."""
+
+    def __init__(self, count: int) -> None:
+        release = self.release = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+                release.wait(60)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(count)]
+        for server in self.servers:
+            server.daemon_threads = True
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{s.server_address[1]}" for s in self.servers]
+
+    def __enter__(self):
+        for server in self.servers:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        stoppers = [threading.Thread(target=s.shutdown) for s in self.servers]  # each polls 0.5 s
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        for server in self.servers:
+            server.server_close()
+
+
 # -- a whole host for exporter tests: fixture sysfs tree, ops config, ops state written by the watcher
 
 CARD_A, CARD_B = "0000:03:00.0", "0000:04:00.0"

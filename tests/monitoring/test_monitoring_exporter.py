@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import shutil
 import socket
 import urllib.request
@@ -15,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from r9k import capacity
 from r9k.cli import main
 from r9k.monitoring.exporter import build_collector, build_registry, render, serve
-from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
-                                     record_kernel_log)
+from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, HungReplicas,
+                                     build_monitored_host, record_kernel_log)
 from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, parse_replica_spec
 from doubles.ops_host import device_dir, hwmon_dir
 from r9k.ops.state import EVENT_TYPES
@@ -238,6 +239,31 @@ def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
     assert val(s, "r9k_scrape_errors_total", source="fleet") == 1
     assert val(s, "r9k_replica_up", replica="r1", model="tiny") == 1  # still scraped from the last list
     assert not [k for k in s if k[0] == "r9k_replica_state"]  # state unknown now: not exported
+
+
+def test_forty_hung_replicas_cost_neither_the_scrape_timeout_nor_the_card_metrics(host):
+    """Item 14: the replica phase has its own deadline; unanswered replicas read up=0."""
+    root, state, config = host
+    with HungReplicas(40) as hung, FakeReplica(model_name="tiny", running=1) as alive:
+        descs = [ReplicaDescription(name=f"hung-{i}", url=u) for i, u in enumerate(hung.urls)]
+        descs.append(ReplicaDescription(name="alive", url=alive.url))
+        registry = build_registry(build_collector(root, state, config, descs))  # default timeouts
+        started = time.monotonic()
+        s = scrape(registry)
+        elapsed_s = time.monotonic() - started
+        # The phase deadline holds even when one replica's own timeout is longer than it.
+        slow = build_registry(build_collector(root, state, config, descs, timeout_s=30, replica_budget_s=1.0))
+        started = time.monotonic()
+        s_slow = scrape(slow)
+        budget_elapsed_s = time.monotonic() - started
+    assert budget_elapsed_s < 2.0 and val(s_slow, "r9k_gpu_power_cap_watts", bdf=CARD_B) == 225.0
+    assert val(s_slow, "r9k_replica_up", replica="hung-0", model="") == 0.0
+    assert elapsed_s < 7.0, f"scrape took {elapsed_s:.1f} s; Prometheus gives up at 10 s"
+    assert val(s, "r9k_gpu_power_cap_watts", bdf=CARD_B) == 225.0
+    assert val(s, "r9k_gpu_config_drift", bdf=CARD_B) == 1.0
+    assert [val(s, "r9k_replica_up", replica=f"hung-{i}", model="") for i in range(40)] == [0.0] * 40
+    assert val(s, "r9k_replica_up", replica="alive", model="tiny") == 1.0
+    assert val(s, "r9k_scrape_errors_total", source="replica") == 40
 
 
 def test_http_server_serves_the_registry(host):
