@@ -20,7 +20,11 @@ DEFAULT_PORT = 9700
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="HTTP port (0: any free port).")
-@click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--listen", default="127.0.0.1", show_default=True,
+              help="Address to listen on; loopback by default: give the host's address (or 0.0.0.0) for a "
+                   "Prometheus elsewhere, ideally with --web-config-file.")
+@click.option("--web-config-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TLS and basic auth, node_exporter's web config format (see monitoring/README.md).")
 @click.option("--host-root", default="/", show_default=True, envvar="R9K_HOST_ROOT",
               help="Resolve /sys and /proc under this root.")
 @click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, envvar="R9K_OPS_STATE_DIR",
@@ -41,11 +45,12 @@ DEFAULT_PORT = 9700
                    "replicas unanswered by then read r9k_replica_up 0. Keep it under the scrape_timeout.")
 @click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
-def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path: str,
+def exporter(port: int, listen: str, web_config_file: Path | None, host_root: str, state_dir: str, config_path: str,
              replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
              timeout_s: float, replica_budget_s: float, once: bool, as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
+    from r9k.monitoring.web_config import WebConfigError, is_loopback, load_web_config
     from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, load_replica_file, parse_replica_spec
 
     if not 0 <= port <= 65535:
@@ -67,6 +72,12 @@ def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path
             replicas += load_replica_file(replica_file)
     except ReplicaSpecError as exc:
         raise BadInput(str(exc)) from None
+    web = None
+    if web_config_file is not None:
+        try:
+            web = load_web_config(web_config_file)
+        except WebConfigError as exc:
+            raise BadInput(str(exc)) from None
     names = [r.name for r in replicas]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -82,12 +93,17 @@ def exporter(port: int, listen: str, host_root: str, state_dir: str, config_path
             click.echo(render(registry), nl=False)
         return
     try:
-        server, _ = serve(registry, port, listen)
-    except OSError as exc:
-        raise BadInput(f"--listen {listen} --port {port}: cannot listen ({exc.strerror}); "
+        server, _ = serve(registry, port, listen, web)
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise BadInput(f"--listen {listen} --port {port}: cannot listen ({why}); "
                        "expected a free port on a local address") from None
     bound = server.server_address[1]
-    click.echo(f"r9k exporter: http://{listen}:{bound}/metrics (host root {host_root}, "
+    if web is None and not is_loopback(listen):
+        click.echo(f"r9k exporter: warning: --listen {listen} serves card and replica metrics to the "
+                   "network without TLS or auth (--web-config-file)", err=True)
+    scheme = "https" if web is not None and web[1] is not None else "http"
+    click.echo(f"r9k exporter: {scheme}://{listen}:{bound}/metrics (host root {host_root}, "
                f"{len(replicas)} replicas{', fleet ' + fleet_url if fleet_url else ''})")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

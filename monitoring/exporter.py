@@ -1,7 +1,7 @@
 """The exporter: one registry of collect-on-scrape collectors, served over HTTP.
 
 ``build_collector(...)`` gives the composite collector (cards, replicas, scrape errors last so a
-scrape's own failures show in that scrape); ``serve(...)`` starts prometheus-client's HTTP server.
+scrape's own failures show in that scrape); ``serve(...)`` serves it over HTTP(S) (:mod:`~r9k.monitoring.web_config`).
 """
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import os
 import time
 from typing import Iterator, Protocol
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from r9k.monitoring import web_config
 from r9k.monitoring.cards import CardCollector
 from r9k.monitoring.replicas import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
 from r9k.monitoring.scrape_errors import ScrapeErrors
@@ -61,6 +62,7 @@ def render(registry: CollectorRegistry) -> str:
     return generate_latest(registry).decode()
 
 
-def serve(registry: CollectorRegistry, port: int, listen: str = "0.0.0.0"):
-    """Start the HTTP server in a daemon thread; returns (server, thread). Port 0 picks a free one."""
-    return start_http_server(port, addr=listen, registry=registry)
+def serve(registry: CollectorRegistry, port: int, listen: str = "127.0.0.1", web=None):
+    """Start the HTTP(S) server in a daemon thread; returns (server, thread). Port 0 picks a free one;
+    ``web``: :func:`r9k.monitoring.web_config.load_web_config`'s result (TLS, basic auth)."""
+    return web_config.serve(registry, port, listen, web)

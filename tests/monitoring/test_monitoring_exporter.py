@@ -308,3 +308,125 @@ def test_cli_once_json_and_bad_input(host, tmp_path):
         assert result.exit_code == 2, (args, result.output)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
+
+
+def _exporter_process(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--port", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_exporter_listens_on_loopback_unless_told_otherwise(host):
+    """Item 2: the default bind is 127.0.0.1 (it was 0.0.0.0); a wider bind without TLS/auth warns."""
+    root, state, config = host
+    common = ["--host-root", str(root), "--state-dir", str(state), "--config", str(config)]
+    proc = _exporter_process(*common)
+    try:
+        first = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/metrics", first).group(1))
+        assert first.startswith("r9k exporter: http://127.0.0.1:"), first
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        listening = {conn.laddr for conn in __import__("psutil").Process(proc.pid).net_connections("tcp")
+                     if conn.status == "LISTEN"}
+        assert listening == {("127.0.0.1", port)}, listening
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    proc = _exporter_process("--listen", "0.0.0.0", *common)
+    try:
+        assert proc.stdout.readline().startswith("r9k exporter: http://0.0.0.0:")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "warning: --listen 0.0.0.0" in err and "--web-config-file" in err
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """A self-signed certificate for 127.0.0.1 and a web config with TLS and one bcrypt user."""
+    import datetime
+    import ipaddress
+
+    import bcrypt
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "r9k-exporter-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    hashed = bcrypt.hashpw(b"scrape-secret", bcrypt.gensalt(rounds=4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n"
+                   f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    return web
+
+
+def test_web_config_file_gives_tls_and_basic_auth(host, tls_files):
+    """Item 2: node_exporter's web config: TLS with the given certificate, 401 without the user."""
+    import base64
+    import ssl
+    import urllib.error
+
+    from r9k.monitoring.web_config import load_web_config
+
+    root, state, config = host
+    server, _ = serve(build_registry(build_collector(root, state, config)), 0, "127.0.0.1",
+                      load_web_config(tls_files))
+    url = f"https://127.0.0.1:{server.server_address[1]}/metrics"
+    trusted = ssl.create_default_context(cafile=str(tls_files.parent / "tls.crt"))
+
+    def get(auth: str | None, context=trusted) -> tuple[int, str]:
+        req = urllib.request.Request(url, headers={"Authorization": auth} if auth else {})
+        try:
+            with urllib.request.urlopen(req, timeout=5, context=context) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, ""
+
+    def basic(user: str, password: str) -> str:
+        return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    try:
+        status, text = get(basic("prometheus", "scrape-secret"))
+        assert status == 200 and f'r9k_gpu_power_cap_watts{{bdf="{CARD_B}"}} 225.0' in text
+        assert get(None)[0] == 401
+        assert get(basic("prometheus", "wrong"))[0] == 401
+        assert get(basic("nobody", "scrape-secret"))[0] == 401
+        with pytest.raises(OSError):  # plain HTTP is not served on the TLS port
+            urllib.request.urlopen(url.replace("https:", "http:"), timeout=5)
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            get(basic("prometheus", "scrape-secret"), ssl.create_default_context())
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("tls_server_config:\n  cert_file: missing.crt\n  key_file: missing.key\n", "cannot load cert_file"),
+    ("basic_auth_users:\n  prometheus: plain-password\n", "expected a bcrypt hash"),
+    ("tls_config: {}\n", "tls_config"),
+    ("- a list\n", "expected a mapping"),
+])
+def test_bad_web_config_file_is_refused_in_one_line(host, tmp_path, text, needle):
+    root, state, config = host
+    web = tmp_path / "bad-web.yml"
+    web.write_text(text)
+    result = CliRunner().invoke(main, ["exporter", "--port", "0", "--web-config-file", str(web),
+                                       "--host-root", str(root), "--state-dir", str(state), "--config", str(config)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
