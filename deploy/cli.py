@@ -100,9 +100,17 @@ def check(config: str) -> None:
 @run_dir_option
 def up(config: str, detach: bool, run_dir: str | None) -> None:
     """Start or join Ray, place the replicas, serve the entry point (Ctrl-C stops the fleet)."""
+    from r9k.deploy.config import FleetConfigError
     from r9k.deploy.controller import CONTROLLER_FILE, FleetController, default_run_dir
 
     cfg = _load(config)
+    try:
+        key = cfg.api_key()  # before anything starts: a configured key that cannot be read stops here
+    except FleetConfigError as exc:
+        raise BadInput(f"{config}: {exc}") from None
+    if key is None and not cfg.entry.loopback:
+        click.echo(f"warning: entry point on {cfg.entry.host}:{cfg.entry.port} without an API key "
+                   "(entry.allow_unauthenticated): anyone who reaches it can drain or stop the fleet", err=True)
     run = Path(run_dir or cfg.run_dir or default_run_dir())
     if detach:
         run.mkdir(parents=True, exist_ok=True)

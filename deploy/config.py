@@ -6,13 +6,14 @@ Checks that need the host inventory (cards that exist, TP that fits one host) ar
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 from pathlib import Path
 from typing import Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
                       field_validator, model_validator)
 
 from r9k import capacity
@@ -31,6 +32,13 @@ _OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-m
 
 class FleetConfigError(ValueError):
     """Fleet file refused; nothing was started."""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class _Strict(BaseModel):
@@ -125,6 +133,13 @@ class EntrySpec(_Strict):
     host: StrictStr = "127.0.0.1"
     port: StrictInt = Field(default=8000, ge=1, le=65535)
     api_key_env: Union[StrictStr, None] = None   # name of the env var holding the key (never the key)
+    # Serving beyond loopback without a key lets anyone on the network drain or stop the fleet:
+    # only with this explicit opt-in (and a warning at `fleet up`).
+    allow_unauthenticated: StrictBool = False
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
 
 
 class ExporterSpec(_Strict):
@@ -204,8 +219,17 @@ class FleetConfig(_Strict):
         raise KeyError(name)
 
     def api_key(self) -> str | None:
+        """The entry point's key; None when the file configures none. A configured variable that
+        is unset or empty raises (fail closed: never serve unauthenticated by accident)."""
         env = self.entry.api_key_env
-        return os.environ.get(env) or None if env else None
+        if env is None:
+            return None
+        key = os.environ.get(env, "")
+        if not key.strip():
+            raise FleetConfigError(f"entry.api_key_env names {env}, but {env} is "
+                                   f"{'empty' if env in os.environ else 'not set'}; expected the API key "
+                                   f"in {env} (or remove api_key_env to serve without a key on loopback)")
+        return key
 
 
 def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None = None) -> FleetConfig:
@@ -244,6 +268,10 @@ def _check_consistency(cfg: FleetConfig, source: str) -> None:
     if sum(m.replicas for m in cfg.models) > hi - lo + 1:
         raise FleetConfigError(f"{source}: replica_ports {cfg.replica_ports} has {hi - lo + 1} ports "
                                f"for {sum(m.replicas for m in cfg.models)} replicas")
+    if not cfg.entry.loopback and cfg.entry.api_key_env is None and not cfg.entry.allow_unauthenticated:
+        raise FleetConfigError(f"{source}: entry.host {cfg.entry.host} serves beyond loopback without "
+                               "api_key_env; expected api_key_env (recommended) or "
+                               "entry.allow_unauthenticated: true")
     hosts = [h.name for h in cfg.hosts]
     if len(set(hosts)) != len(hosts):
         raise FleetConfigError(f"{source}: hosts: a host name appears twice")

@@ -134,3 +134,68 @@ def test_example_host_file_fits_its_host_exactly():
     plan = plan_placement(replica_slots(cfg), CardPool(cfg.hosts))
     used = [b for a in plan.values() for b in a.cards]
     assert len(used) == len(set(used)) == 8
+
+
+def cpu_fleet_file(tmp_path: Path, **entry) -> Path:
+    """A fleet file that passes every check `fleet up` makes before starting (tiny model config)."""
+    from r9k.devtools.tiny_model import build_config
+
+    model = tmp_path / "tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(build_config()))
+    doc = {"platform": "cpu", "entry": {"port": 8000, **entry}, "exporter": None,
+           "ops_state_dir": str(tmp_path / "ops"),
+           "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+           "models": [{"name": "tiny", "path": str(model), "max_model_len": 4096,
+                       "kv_cache_memory_bytes": 64 << 20, "state_dtype": "float32"}]}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture
+def no_controller(monkeypatch):
+    """`fleet up` with the controller replaced: records whether anything would have started."""
+    started: list[str] = []
+
+    class Stub:
+        def __init__(self, cfg, *args, **kwargs) -> None:
+            cfg.api_key()  # the real controller reads the key here too
+            started.append("controller")
+            self.stopping = None
+            self.url = "http://stub"
+
+        async def start(self) -> None:
+            raise SystemExit(0)
+
+    monkeypatch.setattr("r9k.deploy.controller.FleetController", Stub)
+    return started
+
+
+@pytest.mark.parametrize("value", [None, "", "  "])
+def test_configured_api_key_that_cannot_be_read_stops_fleet_up(tmp_path, monkeypatch, no_controller, value):
+    """Item 1: api_key_env set but the variable missing or empty: exit 2, one line, nothing started."""
+    monkeypatch.delenv("R9K_TEST_FLEET_KEY", raising=False)
+    if value is not None:
+        monkeypatch.setenv("R9K_TEST_FLEET_KEY", value)
+    for host in ("127.0.0.1", "0.0.0.0"):
+        path = cpu_fleet_file(tmp_path, host=host, api_key_env="R9K_TEST_FLEET_KEY")
+        result = CliRunner().invoke(main, ["fleet", "up", "--config", str(path), "--run-dir", str(tmp_path / "run")])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert "R9K_TEST_FLEET_KEY" in lines[0] and ("not set" if value is None else "empty") in lines[0]
+        assert not no_controller and not (tmp_path / "run").exists()
+    monkeypatch.setenv("R9K_TEST_FLEET_KEY", "s3cret")
+    assert parse_fleet(path.read_text()).api_key() == "s3cret"
+
+
+def test_entry_beyond_loopback_needs_a_key_or_an_explicit_opt_in(tmp_path, monkeypatch, no_controller):
+    """Item 1: 0.0.0.0 without api_key_env is refused unless allow_unauthenticated, which warns."""
+    msg = refused(fleet_text(entry={"host": "0.0.0.0", "port": 8000}))
+    assert "entry.host 0.0.0.0" in msg and "allow_unauthenticated" in msg
+    assert parse_fleet(fleet_text(entry={"host": "::1", "port": 8000})).api_key() is None  # loopback: fine
+    path = cpu_fleet_file(tmp_path, host="0.0.0.0", allow_unauthenticated=True)
+    result = CliRunner().invoke(main, ["fleet", "up", "--config", str(path), "--run-dir", str(tmp_path / "run")])
+    assert no_controller == ["controller"], result.output
+    assert "warning: entry point on 0.0.0.0:8000 without an API key" in result.output
+    assert "allow_unauthenticated" in refused(fleet_text(entry={"host": "0.0.0.0", "allow_unauthenticated": "yes"}))
