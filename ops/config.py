@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import stat
 from pathlib import Path
 from typing import Literal, Union
@@ -132,11 +133,35 @@ def _allowed_fields(loc: tuple) -> list[str]:
     return list((PowerSettings if nested else OpsConfig).model_fields)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise _DuplicateKey(f"duplicate key {key!r} (line {key_node.start_mark.line + 1}); "
+                                "expected each key once")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def parse_config(text: str, source: str = "<config>") -> OpsConfig:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from exc
+        raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -151,12 +176,17 @@ def parse_config(text: str, source: str = "<config>") -> OpsConfig:
 def load_config(path: str | os.PathLike) -> OpsConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
         st = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found (expected YAML, see ops/README.md)") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "expected a UTF-8 YAML file") from None
     config = parse_config(text, str(path))
     if config.hooks:
         # Hooks run as root: a file anyone but root can edit is a privilege escalation.
@@ -166,4 +196,47 @@ def load_config(path: str | os.PathLike) -> OpsConfig:
                 f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); expected root-owned, "
                 "not group/world-writable"
             )
+        for argv in config.hook_argvs():
+            problem = hook_problem(argv[0])
+            if problem:
+                raise ConfigError(f"{path}: {problem}")
     return config
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    return st.st_uid != 0 or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def hook_problem(command: str) -> str | None:
+    """Why a hook must not run as root, or None. The executable and every directory above it (as
+    written and resolved) must be root-owned and writable only by root; a sticky directory such as
+    /tmp is fine (others cannot replace what root owns there)."""
+    found = command if os.path.isabs(command) else shutil.which(command)
+    if found is None:
+        return f"hook {command}: not found (expected an absolute path or a command on PATH)"
+    paths = [Path(found)]
+    real = Path(os.path.realpath(found))
+    if real != paths[0]:
+        paths.append(real)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        return f"hook {command}: {found} not found ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode) or not os.access(real, os.X_OK):
+        return f"hook {command}: {real} is not an executable file"
+    if _writable_by_others(st):
+        return (f"hook {command}: {real} is writable by group or others or not root-owned (owner uid {st.st_uid}, "
+                f"mode {stat.filemode(st.st_mode)}); expected root-owned, writable only by root")
+    for path in paths:
+        for directory in path.parents:
+            try:
+                dst = os.stat(directory)
+            except OSError as exc:
+                return f"hook {command}: directory {directory}: {exc.strerror}"
+            if dst.st_mode & stat.S_ISVTX and dst.st_uid == 0:
+                continue
+            if _writable_by_others(dst):
+                return (f"hook {command}: directory {directory} is writable by group or others or not root-owned "
+                        f"(owner uid {dst.st_uid}, mode {stat.filemode(dst.st_mode)}); anyone who can write it "
+                        "can replace the hook")
+    return None

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
+
+# LACT's replies are small JSON documents (device lists, stats, configs): far below this.
+MAX_REPLY_BYTES = 4 * 1024 * 1024
 
 
 class LactError(Exception):
@@ -24,25 +28,47 @@ def bdf_of_gpu_id(gpu_id: str) -> str:
 
 
 class LactClient:
-    def __init__(self, socket_path: str, timeout_s: float = 5.0):
+    """``timeout_s`` bounds a whole request (connect, send, the complete reply), not each read:
+    a daemon that trickles bytes cannot hold ``apply`` past it."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 5.0, max_reply_bytes: int = MAX_REPLY_BYTES):
         self.socket_path = socket_path
         self.timeout_s = timeout_s
+        self.max_reply_bytes = max_reply_bytes
 
     def request(self, command: str, args: dict[str, Any] | None = None) -> Any:
         payload = {"command": command}
         if args is not None:
             payload["args"] = args
+        deadline = time.monotonic() + self.timeout_s
+
+        def remaining_s() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LactError(f"LACT {command}: no complete reply within {self.timeout_s:g} s "
+                                f"(socket {self.socket_path})")
+            return left
+
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(self.timeout_s)
+                sock.settimeout(remaining_s())
                 sock.connect(self.socket_path)
+                sock.settimeout(remaining_s())
                 sock.sendall(json.dumps(payload).encode() + b"\n")
-                buf = b""
+                buf = bytearray()
                 while not buf.endswith(b"\n"):
-                    chunk = sock.recv(65536)
+                    sock.settimeout(remaining_s())
+                    try:
+                        chunk = sock.recv(65536)
+                    except socket.timeout:
+                        remaining_s()
+                        raise
                     if not chunk:
                         break
                     buf += chunk
+                    if len(buf) > self.max_reply_bytes:
+                        raise LactError(f"LACT {command}: reply larger than {self.max_reply_bytes} bytes "
+                                        "without an end of line (not LACT's protocol)")
         except FileNotFoundError:
             raise LactError(f"LACT socket {self.socket_path} does not exist (is lactd running?)") from None
         except OSError as exc:
@@ -50,7 +76,7 @@ class LactClient:
         try:
             response = json.loads(buf.decode())
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise LactError(f"LACT {command}: not a JSON response: {buf[:120]!r}") from None
+            raise LactError(f"LACT {command}: not a JSON response: {bytes(buf[:120])!r}") from None
         if not isinstance(response, dict) or response.get("status") not in ("ok", "error"):
             raise LactError(f"LACT {command}: unexpected response {str(response)[:120]}")
         if response["status"] == "error":

@@ -31,6 +31,7 @@ class LactDouble:
         config_path: str | os.PathLike | None = None,
         ignore_cap_for: set[str] | None = None,
         fail_commands: dict[str, str] | None = None,
+        reply_mode: str = "normal",
     ):
         self.socket_path = str(socket_path)
         self.host_root = Path(host_root)
@@ -38,12 +39,18 @@ class LactDouble:
         self.config_path = Path(config_path) if config_path else None
         self.ignore_cap_for = set(ignore_cap_for or ())  # cards whose firmware does not take a cap
         self.fail_commands = dict(fail_commands or {})  # command -> error message to answer
+        # A misbehaving daemon: "trickle" sends a byte every 50 ms and never a newline; "endless"
+        # streams 64 KiB chunks without a newline until the client hangs up.
+        if reply_mode not in ("normal", "trickle", "endless"):
+            raise ValueError(f"reply_mode {reply_mode!r}: expected normal, trickle or endless")
+        self.reply_mode = reply_mode
         self.requests: list[dict[str, Any]] = []
         self.reverts = 0
         self.confirmed: dict[str, dict[str, Any]] = {}
         self._pending: tuple[str, dict[str, Any], dict[str, Any], threading.Timer] | None = None
         self._lock = threading.Lock()
         self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._closing = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "LactDouble":
@@ -52,6 +59,9 @@ class LactDouble:
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
                 for raw in self.rfile:
+                    if double.reply_mode != "normal":
+                        double._misbehave(self.wfile)
+                        return
                     reply = double._dispatch(raw)
                     self.wfile.write(json.dumps(reply).encode() + b"\n")
                     self.wfile.flush()
@@ -64,6 +74,7 @@ class LactDouble:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closing.set()
         with self._lock:
             if self._pending:
                 self._pending[3].cancel()
@@ -73,6 +84,22 @@ class LactDouble:
             self._server.server_close()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
+
+    def _misbehave(self, wfile: Any) -> None:
+        try:
+            if self.reply_mode == "trickle":
+                wfile.write(b'{"status": "ok", "data": "')
+                while not self._closing.wait(0.05):
+                    wfile.write(b"x")
+                    wfile.flush()
+            else:
+                chunk = b"x" * 65536
+                wfile.write(b'{"status": "ok", "data": "')
+                while not self._closing.is_set():
+                    wfile.write(chunk)
+                    wfile.flush()
+        except OSError:
+            return  # the client hung up
 
     # -- protocol --------------------------------------------------------------------------
     def _dispatch(self, raw: bytes) -> dict[str, Any]:
