@@ -2,7 +2,9 @@
 
 Everything is read at scrape time under ``host_root`` (default ``/``) through :mod:`r9k.ops`:
 ``power_status`` for wanted vs actual and drift, ``discover_cards`` for the hwmon directory,
-``read_card_states`` for the watcher's event counts and health. Labels: ``bdf`` (PCI address).
+``read_card_states`` for the watcher's event counts and health (a corrupt card file reads unhealthy
+and unreadable, never absent), ``card_presence`` for expected vs present cards, ``read_host_events``
+for faults no card could be named for. Labels: ``bdf`` (PCI address).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from r9k.monitoring.scrape_errors import ScrapeErrors
 from r9k.ops import sysfs
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
 from r9k.ops.power import CardStatus, power_status
-from r9k.ops.state import EVENT_TYPES, CardState, cards_dir, read_card_states
+from r9k.ops.state import (EVENT_TYPES, CardStates, HostEvent, StateFileError, card_presence, cards_dir,
+                           read_card_states, read_host_events)
 
 _SENSOR_FALLBACK = {"temp1": "edge", "temp2": "junction", "temp3": "mem"}
 _CLOCK_FALLBACK = {"freq1": "sclk", "freq2": "mclk"}
@@ -57,30 +60,43 @@ class CardCollector:
         self.state_dir = state_dir
         self.config_path = config_path
 
-    def _config(self) -> OpsConfig:
+    def _config(self) -> tuple[OpsConfig, bool]:
+        """The ops config and whether it loaded; a missing or refused one gives the defaults
+        (nothing wanted, at least one card expected) and leaves drift unknown."""
         try:
-            return load_config(self.config_path)
-        except ConfigError:
+            return load_config(self.config_path), True
+        except (ConfigError, OSError, ValueError):  # ValueError: e.g. not UTF-8
             self.errors.count("ops_config")
-            return OpsConfig()  # nothing wanted: actual values are still exported
+            return OpsConfig(), False
 
-    def _states(self) -> dict[str, CardState]:
+    def _states(self) -> CardStates:
         if self.state_dir is None:
-            return {}
-        directory = cards_dir(self.state_dir)
-        if not directory.is_dir():
+            return CardStates()
+        if not cards_dir(self.state_dir).is_dir():
             self.errors.count("ops_state")
-            return {}
-        states = read_card_states(self.state_dir)
-        unreadable = sum(1 for _ in directory.glob("*.json")) - len(states)
-        if unreadable > 0:
-            self.errors.count("ops_state", unreadable)
+            return CardStates()
+        try:
+            states = read_card_states(self.state_dir)
+        except (OSError, StateFileError):
+            self.errors.count("ops_state")
+            return CardStates()
+        self.errors.count("ops_state", len(states.corrupt))
         return states
+
+    def _host_events(self) -> list[HostEvent] | None:
+        """Unattributed faults; None (unknown, not zero) when the file cannot be read."""
+        if self.state_dir is None:
+            return []
+        try:
+            return read_host_events(self.state_dir)
+        except (OSError, StateFileError):
+            self.errors.count("ops_state")
+            return None
 
     def collect(self) -> Iterator[Metric]:
         if not sysfs.host_path(self.host_root, "/sys/class/drm").is_dir():
             self.errors.count("sysfs")
-        config = self._config()
+        config, config_valid = self._config()
         try:
             statuses = power_status(config, self.host_root, None)  # health comes from _states below
             cards = {c.bdf: c for c in sysfs.discover_cards(self.host_root)}
@@ -88,16 +104,45 @@ class CardCollector:
             self.errors.count("sysfs")
             statuses, cards = [], {}
         states = self._states()
-        yield from self._power(statuses, cards, states)
+        valid = _gauge("r9k_ops_config_valid",
+                       "1 when the ops config loaded; 0 when missing or refused (drift is then unknown).", [])
+        valid.add_metric([], 1.0 if config_valid else 0.0)
+        yield valid
+        yield from self._power(statuses, cards, states, config_valid)
+        yield from self._presence(config, cards)
         yield from self._telemetry(cards)
         yield from self._events(cards, states)
+        yield from self._unattributed(self._host_events())
         recovery = sysfs.recovery_status(self.host_root)
         off = _gauge("r9k_host_gpu_recovery_disabled",
                      "1 when amdgpu.gpu_recovery=0 is in effect (a hung MES wedges only its GPU).", [])
         off.add_metric([], 1.0 if recovery.in_effect else 0.0)
         yield off
 
-    def _power(self, statuses: list[CardStatus], cards: dict, states: dict[str, CardState]
+    def _presence(self, config: OpsConfig, cards: dict) -> Iterable[Metric]:
+        presence = card_presence(config, sorted(cards))
+        expected = _gauge("r9k_gpu_expected_cards", "Cards the ops config expects (expected_cards; default 1).", [])
+        present = _gauge("r9k_gpu_present_cards",
+                         "Expected cards present on the bus (all amdgpu cards when expected_cards is a count).", [])
+        missing = _gauge("r9k_gpu_missing", "1 for each card the ops config lists that is not on the bus.",
+                         ["bdf"])
+        expected.add_metric([], float(presence.expected))
+        present.add_metric([], float(presence.present))
+        for bdf in presence.missing:
+            missing.add_metric([bdf], 1.0)
+        return [expected, present, missing]
+
+    def _unattributed(self, events: list[HostEvent] | None) -> Iterable[Metric]:
+        if events is None:
+            return []
+        family = CounterMetricFamily("r9k_host_unattributed_faults",
+                                     "Kernel-log faults no card could be named for, by event type.", labels=["event"])
+        counts = {e.type: e.count for e in events}
+        for event in sorted(set(EVENT_TYPES) | set(counts)):  # 0 from the start, so increase() sees the first
+            family.add_metric([event], float(counts.get(event, 0)))
+        return [family]
+
+    def _power(self, statuses: list[CardStatus], cards: dict, states: CardStates, config_valid: bool
                ) -> Iterable[Metric]:
         info = _gauge("r9k_gpu_info", "Card identity (value 1).",
                       ["bdf", "card", "device_id", "unique_id", "model"])
@@ -110,8 +155,11 @@ class CardCollector:
         offset_wanted = _gauge("r9k_gpu_voltage_offset_wanted_volts",
                                "VDDGFX offset the ops config wants.", ["bdf"])
         drift = _gauge("r9k_gpu_config_drift",
-                       "1 when the card's cap or offset differs from the ops config (0 when fenced).", ["bdf"])
-        unhealthy = _gauge("r9k_gpu_unhealthy", "1 when ops fenced the card after a fault.", ["bdf"])
+                       "1 when the card's cap or offset differs from the ops config (0 when fenced; absent "
+                       "while the config is refused or the card's state unreadable).", ["bdf"])
+        unhealthy = _gauge("r9k_gpu_unhealthy",
+                           "1 when ops fenced the card after a fault, or its state file is unreadable.", ["bdf"])
+        unreadable = _gauge("r9k_gpu_state_unreadable", "1 when the card's ops state file is corrupt.", ["bdf"])
         for status in statuses:
             bdf = status.bdf
             card = cards.get(bdf)
@@ -135,12 +183,15 @@ class CardCollector:
             st = states.get(bdf)
             fenced = st is not None and st.sysfs_fenced(sysfs.boot_id(self.host_root))
             # A fenced card is not reconciled on purpose; GpuUnhealthy pages for it instead.
-            drift.add_metric([bdf], 1.0 if status.managed and status.drift and not fenced else 0.0)
-            unhealthy.add_metric([bdf], 0.0 if st is None or st.healthy else 1.0)
-        for bdf, st in states.items():
-            if bdf not in {s.bdf for s in statuses}:  # a card that left the bus keeps its health
-                unhealthy.add_metric([bdf], 0.0 if st.healthy else 1.0)
-        return [info, power, cap, cap_default, cap_wanted, offset, offset_wanted, drift, unhealthy]
+            if config_valid and bdf not in states.corrupt:
+                drift.add_metric([bdf], 1.0 if status.managed and status.drift and not fenced else 0.0)
+        for bdf in sorted({s.bdf for s in statuses} | set(states) | set(states.corrupt)):
+            # A card that left the bus keeps its health; an unreadable file may hide a fence.
+            st = states.get(bdf)
+            bad = bdf in states.corrupt or (st is not None and not st.healthy)
+            unhealthy.add_metric([bdf], 1.0 if bad else 0.0)
+            unreadable.add_metric([bdf], 1.0 if bdf in states.corrupt else 0.0)
+        return [info, power, cap, cap_default, cap_wanted, offset, offset_wanted, drift, unhealthy, unreadable]
 
     def _telemetry(self, cards: dict) -> Iterable[Metric]:
         temp = _gauge("r9k_gpu_temperature_celsius", "Temperature by sensor (edge, junction, mem).",
@@ -175,13 +226,14 @@ class CardCollector:
                     family.add_metric([bdf, *extra], value * scale)
         return [temp, vddgfx, clock, used, total, busy]
 
-    def _events(self, cards: dict, states: dict[str, CardState]) -> Iterable[Metric]:
+    def _events(self, cards: dict, states: CardStates) -> Iterable[Metric]:
         events = CounterMetricFamily("r9k_gpu_events", "Kernel-log events counted by the ops watcher.",
                                      labels=["bdf", "event"])
         last = _gauge("r9k_gpu_last_event_timestamp_seconds", "When the watcher recorded the last event.",
                       ["bdf"])
-        # Every known card is exported at 0 per event type, so increase() sees its first fault.
-        for bdf in sorted(set(cards) | set(states)):
+        # Every known card is exported at 0 per event type, so increase() sees its first fault;
+        # a card whose state is unreadable has unknown counts (a 0 would fake an increase later).
+        for bdf in sorted((set(cards) | set(states)) - set(states.corrupt)):
             st = states.get(bdf)
             for event in EVENT_TYPES:
                 events.add_metric([bdf, event], float(st.counts.get(event, 0)) if st else 0.0)

@@ -149,7 +149,8 @@ def test_missing_and_unreadable_sources_are_counted_not_fatal(host, tmp_path):
     (empty / "sys").mkdir(parents=True)
     s = scrape(build_registry(build_collector(empty, None, tmp_path / "no-ops.yaml")))
     assert val(s, "r9k_scrape_errors_total", source="sysfs") == 1
-    assert not [n for n in names(s) if n.startswith("r9k_gpu_")]
+    assert not [k for k in s if k[0].startswith("r9k_gpu_") and k[1]]  # no per-card series
+    assert (val(s, "r9k_gpu_expected_cards"), val(s, "r9k_gpu_present_cards")) == (1.0, 0.0)
 
 
 def expected_layout(page_mode: str, num_spec: int):
@@ -430,3 +431,74 @@ def test_bad_web_config_file_is_refused_in_one_line(host, tmp_path, text, needle
                                        "--host-root", str(root), "--state-dir", str(state), "--config", str(config)])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
+
+
+def test_refused_ops_config_leaves_drift_unknown_and_says_so(host, tmp_path):
+    """Item 9: a refused config exported drift 0 for every card; now drift is absent (unknown),
+    r9k_ops_config_valid is 0 and the failure is counted; actual values are still exported."""
+    root, state, config = host
+    s = scrape(build_registry(build_collector(root, state, config)))
+    assert val(s, "r9k_ops_config_valid") == 1.0 and val(s, "r9k_gpu_config_drift", bdf=CARD_B) == 1.0
+    refused = tmp_path / "refused.yaml"
+    refused.write_text("defaults: {power_cap_watts: '210 # watts', voltage_offset_mv: -42}\n")
+    for bad in (refused, tmp_path / "missing.yaml"):
+        s = scrape(build_registry(build_collector(root, state, bad)))
+        assert val(s, "r9k_ops_config_valid") == 0.0, bad
+        assert "r9k_gpu_config_drift" not in names(s), bad
+        assert val(s, "r9k_scrape_errors_total", source="ops_config") == 1
+        assert val(s, "r9k_gpu_power_cap_watts", bdf=CARD_B) == 225.0
+
+
+def test_expected_and_present_cards_name_the_missing_one(host, tmp_path):
+    """Item 6: the config's expected_cards against the cards on the bus, per host."""
+    root, state, _ = host
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(f"defaults: {{power_cap_watts: 210, voltage_offset_mv: -42}}\n"
+                      f"expected_cards: ['{CARD_A}', '{CARD_B}', '0000:05:00.0']\n")
+    s = scrape(build_registry(build_collector(root, state, listed)))
+    assert (val(s, "r9k_gpu_expected_cards"), val(s, "r9k_gpu_present_cards")) == (3.0, 2.0)
+    assert val(s, "r9k_gpu_missing", bdf="0000:05:00.0") == 1.0
+    assert not [k for k in s if k[0] == "r9k_gpu_missing" and ("bdf", CARD_A) in k[1]]
+    counted = tmp_path / "counted.yaml"
+    counted.write_text("defaults: {power_cap_watts: 210, voltage_offset_mv: -42}\nexpected_cards: 4\n")
+    s = scrape(build_registry(build_collector(root, state, counted)))
+    assert (val(s, "r9k_gpu_expected_cards"), val(s, "r9k_gpu_present_cards")) == (4.0, 2.0)
+    # No amdgpu card at all (module not loaded yet): present 0 against the default of one.
+    empty = tmp_path / "empty-host"
+    (empty / "sys/class/drm").mkdir(parents=True)
+    s = scrape(build_registry(build_collector(empty, None, tmp_path / "no-ops.yaml")))
+    assert (val(s, "r9k_gpu_expected_cards"), val(s, "r9k_gpu_present_cards")) == (1.0, 0.0)
+
+
+def test_unattributed_host_faults_are_exported_by_type(host):
+    """Item 8: faults the watcher could not pin on a card are host-level counters, 0 from the start."""
+    from r9k.ops.state import host_events_path, record_host_event
+
+    root, state, config = host
+    registry = build_registry(build_collector(root, state, config))
+    s = scrape(registry)
+    assert {val(s, "r9k_host_unattributed_faults_total", event=e) for e in EVENT_TYPES} == {0.0}
+    record_host_event(state, "mes_timeout", "MES failed to respond to msg=REMOVE_QUEUE", "test", 1)
+    record_host_event(state, "mes_timeout", "MES failed to respond to msg=SUSPEND", "test", 2)
+    s = scrape(registry)
+    assert val(s, "r9k_host_unattributed_faults_total", event="mes_timeout") == 2.0
+    assert val(s, "r9k_host_unattributed_faults_total", event="ring_timeout") == 0.0
+    assert val(s, "r9k_gpu_events_total", bdf=CARD_A, event="mes_timeout") == 0.0  # no card blamed
+    host_events_path(state).write_text("{torn")
+    s = scrape(registry)
+    assert "r9k_host_unattributed_faults_total" not in names(s)  # unknown, not 0
+    assert val(s, "r9k_scrape_errors_total", source="ops_state") == 1
+
+
+def test_corrupt_card_state_reads_unhealthy_and_unreadable_not_absent(host):
+    """A card whose state file is corrupt may be fenced: it reads unhealthy, state unreadable."""
+    from r9k.ops.state import card_state_path
+
+    root, state, config = host
+    card_state_path(state, CARD_B).write_text("{not json")
+    s = scrape(build_registry(build_collector(root, state, config)))
+    assert val(s, "r9k_gpu_unhealthy", bdf=CARD_B) == 1.0
+    assert val(s, "r9k_gpu_state_unreadable", bdf=CARD_B) == 1.0
+    assert val(s, "r9k_gpu_state_unreadable", bdf=CARD_A) == 0.0
+    assert val(s, "r9k_scrape_errors_total", source="ops_state") == 1
+    assert "r9k_gpu_config_drift" in names(s) and ("r9k_gpu_config_drift", frozenset({("bdf", CARD_B)})) not in s

@@ -117,7 +117,7 @@ def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):
     # Every rule loads and evaluates without error.
     groups = api.get("/api/v1/rules")["groups"]
     loaded = [r for g in groups for r in g["rules"]]
-    assert len(loaded) == 12
+    assert len(loaded) == 16
     assert all(r["health"] == "ok" for r in loaded), [(r["name"], r.get("lastError")) for r in loaded]
 
     # Every dashboard panel's query returns data; every metric named by rules and dashboards exists.

@@ -82,6 +82,20 @@ def test_rules_follow_the_conventions_and_link_existing_runbooks():
     assert wanted <= set(names)
 
 
+def test_alerts_for_recovery_on_card_missing_unattributed_faults_and_refused_config():
+    """Items 6, 8, 9, 17: the new host-level alerts exist on the series the exporter writes, and
+    promtool's cases (positive and negative, above) pass for them."""
+    by_name = {r["alert"]: r for r in rules()}
+    for name, metric in (("GpuCardMissing", "r9k_gpu_present_cards"),
+                         ("GpuUnattributedFault", "r9k_host_unattributed_faults_total"),
+                         ("GpuRecoveryEnabled", "r9k_host_gpu_recovery_disabled"),
+                         ("OpsConfigInvalid", "r9k_ops_config_valid")):
+        assert name in by_name and metric in by_name[name]["expr"], name
+    tested = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+              for case in test.get("alert_rule_test", [])}
+    assert {"GpuCardMissing", "GpuUnattributedFault", "GpuRecoveryEnabled", "OpsConfigInvalid"} <= tested
+
+
 def test_prometheus_scrape_config_is_valid():
     result = run_promtool("check", "config", "prometheus.yml", cwd=MONITORING)
     assert result.returncode == 0, result.stdout + result.stderr
