@@ -12,7 +12,7 @@ import pytest
 
 from r9k import capacity
 from r9k.monitoring.exporter import build_collector, build_registry, serve
-from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, build_monitored_host,
+from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, FakeReplica, build_monitored_host,
                                      record_kernel_log)
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import free_port, running_prometheus
@@ -26,6 +26,7 @@ DASHBOARD_SUBSTITUTIONS = {"$__rate_interval": "5s", "$__range": "1h", "$instanc
 @pytest.fixture
 def site(tmp_path):
     root, state, config = build_monitored_host(tmp_path)
+    config.write_text(OPS_CONFIG + f"expected_cards: ['{CARD_A}', '{CARD_B}', '0000:05:00.0']\n")
     model = tmp_path / "tiny-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(build_config()))
@@ -134,6 +135,12 @@ def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):
                 if not api.query(expr):
                     empty.append((path.name, panel["title"], expr))
     assert not empty, empty
+    # A count over no matching host is 0, not "No data" (item 17).
+    faults = json.loads((MONITORING / "grafana/r9k-faults.json").read_text())
+    recovery = next(p for p in faults["panels"] if p["title"] == "Hosts with GPU recovery on")
+    expr = recovery["targets"][0]["expr"].replace("$instance", "no-such-host")
+    assert [float(r["value"][1]) for r in api.query(expr)] == [0.0]
+    assert api.value('r9k_gpu_present_cards') == 2 and api.value('r9k_gpu_expected_cards') == 3
     for rule in loaded:
         used |= set(re.findall(r"\br9k_[a-z0-9_]+", rule["query"]))
     assert used and not used - stored, used - stored

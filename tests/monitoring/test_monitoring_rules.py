@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from r9k.monitoring.exporter import build_collector, build_registry, render
-from doubles.monitored_host import FakeFleet, FakeReplica, build_monitored_host
+from doubles.monitored_host import OPS_CONFIG, FakeFleet, FakeReplica, build_monitored_host
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import prometheus_tool
 
@@ -117,6 +117,7 @@ def exported_names(tmp_path_factory) -> set[str]:
     """Every family the exporter writes for a host with cards, events and a one-page replica."""
     base = tmp_path_factory.mktemp("names")
     root, state, config = build_monitored_host(base)
+    config.write_text(OPS_CONFIG + "expected_cards: ['0000:03:00.0', '0000:04:00.0', '0000:05:00.0']\n")
     model = base / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(build_config()))
@@ -149,6 +150,45 @@ def dashboard_targets() -> list[tuple[str, str, str]]:
             for target in panel["targets"]:
                 out.append((path.name, panel["title"], target["expr"]))
     return out
+
+
+def load_generator():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("r9k_dashboards", MONITORING / "grafana/dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dashboards_are_generated_by_grafanas_builders_and_pass_its_schema():
+    """Item 17: the JSON files are what grafana-foundation-sdk's typed builders write (no hand
+    edits), and each equals its round trip through Grafana's dashboard model, so a field the
+    schema does not know (a typo, a misplaced option) fails here."""
+    generator = load_generator()
+    for name, text in generator.render_all().items():
+        assert (MONITORING / "grafana" / name).read_text() == text, \
+            f"{name} differs from monitoring/grafana/dashboards.py: run python monitoring/grafana/dashboards.py"
+        dash = json.loads(text)
+        assert generator.through_schema(dash) == dash, name
+        typo = json.loads(text)
+        typo["panels"][0]["fieldConfig"]["defaults"]["unitt"] = "watt"
+        assert generator.through_schema(typo) != typo, "the schema round trip must catch an unknown field"
+
+
+def test_kv_dashboard_has_an_instance_variable_and_counts_show_zero():
+    """Item 17: the KV dashboard filters by exporter instance; count panels show 0, not No data."""
+    dashes = {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
+    kv = dashes["r9k-kv-cache.json"]
+    assert "instance" in {v["name"] for v in kv["templating"]["list"]}
+    for panel in kv["panels"]:
+        for target in panel["targets"]:
+            assert 'instance=~"$instance"' in target["expr"], (panel["title"], target["expr"])
+    recovery = next(p for p in dashes["r9k-faults.json"]["panels"] if p["title"] == "Hosts with GPU recovery on")
+    assert recovery["targets"][0]["expr"].endswith("or vector(0)")
+    assert recovery["fieldConfig"]["defaults"]["noValue"] == "0"
 
 
 def test_dashboards_are_valid_and_use_exported_metrics(exported_names):
