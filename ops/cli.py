@@ -1,6 +1,7 @@
 """`r9k ops`: power cap / undervolt apply-verify-reconcile, kernel-log watcher, containment, units.
 
-Exit codes: 0 ok, 1 a check failed or drift was found, 2 bad input (nothing was changed).
+Exit codes: 0 ok, 1 a check failed (drift, fewer cards than expected, a card state file unreadable,
+the log source failed), 2 bad input (nothing was changed).
 """
 from __future__ import annotations
 
@@ -24,6 +25,34 @@ _ROOT_OPT = click.option("--host-root", default="/", show_default=True, envvar="
 _STATE_OPT = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, envvar="R9K_OPS_STATE_DIR",
                           help="Ops state directory (one JSON file per card).")
 _JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+class CheckFailed(click.ClickException):
+    """A check failed (not bad input): one line, exit 1."""
+
+    exit_code = 1
+
+
+def _check_state_dir(state_dir: str, must_exist: bool = False) -> None:
+    path = Path(state_dir)
+    for part in (path, path / "cards"):
+        if part.exists() and not part.is_dir():
+            raise BadInput(f"--state-dir {state_dir}: {part} is not a directory (expected the ops state directory)")
+    if must_exist and not path.is_dir():
+        raise BadInput(f"--state-dir {state_dir}: no ops state there (expected the directory the watcher "
+                       "writes, default /var/lib/r9k/ops)")
+
+
+def _report_presence(presence, as_json: bool) -> bool:
+    """Say when fewer cards are present than the config expects; True when all are there."""
+    if not presence.ok and not as_json:
+        click.echo(f"error: {presence.message()}", err=True)
+    return presence.ok
+
+
+def _presence_json(presence) -> dict:
+    return {"cards_expected": presence.expected, "cards_present": presence.present,
+            "cards_missing": presence.missing, "cards_ok": presence.ok}
 
 
 def _load(config_path: str) -> OpsConfig:
@@ -79,10 +108,12 @@ def check_config_cmd(config_path: str) -> None:
                f"{len(config.hooks)} hooks)")
 
 
-def _print_statuses(statuses, as_json: bool, extra: dict | None = None) -> None:
+def _print_statuses(statuses, as_json: bool, extra: dict | None = None, presence=None) -> None:
     if as_json:
-        click.echo(json.dumps({**(extra or {}), "ok": all(s.ok for s in statuses if s.managed),
-                               "cards": [s.to_json() for s in statuses]}, indent=1))
+        ok = all(s.ok for s in statuses if s.managed) and (presence is None or presence.ok)
+        more = _presence_json(presence) if presence is not None else {}
+        click.echo(json.dumps({**(extra or {}), **more, "ok": ok, "cards": [s.to_json() for s in statuses]},
+                              indent=1))
         return
     for key, value in (extra or {}).items():
         if key != "recovery":
@@ -90,6 +121,9 @@ def _print_statuses(statuses, as_json: bool, extra: dict | None = None) -> None:
     for s in statuses:
         if not s.managed:
             click.echo(f"{s.bdf} not managed (not an R9700 and not named in the config)")
+            continue
+        if s.card is None:
+            click.echo(f"{s.bdf} MISSING: " + "; ".join(s.drift))
             continue
         cap = f"{s.actual_cap_watts:g}" if s.actual_cap_watts is not None else "?"
         state = "OK" if s.ok else "DRIFT: " + "; ".join(s.drift)
@@ -100,8 +134,8 @@ def _print_statuses(statuses, as_json: bool, extra: dict | None = None) -> None:
             click.echo(f"    {action}")
 
 
-def _exit_for(statuses) -> None:
-    if not all(s.ok for s in statuses if s.managed):
+def _exit_for(statuses, presence=None) -> None:
+    if not all(s.ok for s in statuses if s.managed) or (presence is not None and not presence.ok):
         sys.exit(1)
 
 
@@ -122,15 +156,17 @@ def apply_cmd(config_path, host_root, state_dir, backend, wait_seconds, settle_s
 
     config = _load(config_path)
     _check_root(host_root)
+    _check_state_dir(state_dir)
     try:
         report = apply_power(config, host_root, state_dir, backend, wait_seconds, settle_seconds)
     except (PlanError, BackendError) as exc:
         raise BadInput(f"{exc}; nothing was changed") from None
     _print_statuses(report.cards, as_json, {"backend": f"{report.backend} ({report.backend_reason})",
-                                            "recovery": report.recovery.to_json()})
+                                            "recovery": report.recovery.to_json()}, report.presence)
     if report.recovery.warning and not as_json:
         click.echo(f"warning: {report.recovery.warning}", err=True)
-    _exit_for(report.cards)
+    _report_presence(report.presence, as_json)
+    _exit_for(report.cards, report.presence)
 
 
 @ops.command("status")
@@ -140,17 +176,20 @@ def apply_cmd(config_path, host_root, state_dir, backend, wait_seconds, settle_s
 @_JSON_OPT
 def status_cmd(config_path, host_root, state_dir, as_json) -> None:
     """Wanted vs actual per card, health from the state directory (exit 1 on drift)."""
-    from r9k.ops.power import power_status
+    from r9k.ops.power import power_status, presence_of
     from r9k.ops.sysfs import recovery_status
 
     config = _load(config_path)
     _check_root(host_root)
+    _check_state_dir(state_dir)
     statuses = power_status(config, host_root, state_dir)
+    presence = presence_of(config, statuses)
     recovery = recovery_status(host_root)
-    _print_statuses(statuses, as_json, {"recovery": recovery.to_json()})
+    _print_statuses(statuses, as_json, {"recovery": recovery.to_json()}, presence)
     if recovery.warning and not as_json:
         click.echo(f"warning: {recovery.warning}", err=True)
-    _exit_for(statuses)
+    _report_presence(presence, as_json)
+    _exit_for(statuses, presence)
 
 
 @ops.command("reconcile")
@@ -164,10 +203,11 @@ def status_cmd(config_path, host_root, state_dir, as_json) -> None:
 @_JSON_OPT
 def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, settle_seconds, as_json) -> None:
     """Re-verify every INTERVAL seconds; re-apply on drift and after a reset event."""
-    from r9k.ops.power import BackendError, PlanError, ReconcileState, reconcile_once
+    from r9k.ops.power import BackendError, PlanError, ReconcileState, presence_of, reconcile_once
 
     config = _load(config_path)
     _check_root(host_root)
+    _check_state_dir(state_dir)
     memory = ReconcileState()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -178,17 +218,20 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
         except (PlanError, BackendError) as exc:
             raise BadInput(f"{exc}; nothing was changed") from None
         rounds += 1
+        presence = presence_of(config, last)
         if as_json:
-            click.echo(json.dumps({"round": rounds, "reapplied": redone, "ok": all(s.ok for s in last if s.managed),
+            click.echo(json.dumps({"round": rounds, "reapplied": redone, **_presence_json(presence),
+                                   "ok": all(s.ok for s in last if s.managed) and presence.ok,
                                    "cards": [s.to_json() for s in last]}))
         else:
             drifted = [s.bdf for s in last if s.managed and not s.ok]
             click.echo(f"round {rounds}: re-applied {', '.join(redone) or 'none'}; "
                        f"{'drift on ' + ', '.join(drifted) if drifted else 'all cards match'}", nl=True)
+            _report_presence(presence, as_json)
         if count is not None and rounds >= count:
             break
         stop.wait(interval)
-    _exit_for(last)
+    _exit_for(last, presence_of(config, last))
 
 
 @ops.command("watch")
@@ -200,15 +243,20 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
 @click.option("--once", is_flag=True, help="Read what is there, print the classified events, exit.")
 @click.option("--record/--no-record", default=None,
               help="Count events into the state dir and run containment (default: on, off with --once).")
-@click.option("--interval", type=float, default=0.5, show_default=True, help="Poll interval when following.")
+@click.option("--interval", type=click.FloatRange(min=0.01, max=3600), default=0.5, show_default=True,
+              help="Poll interval in seconds when following (0.01-3600).")
 @_JSON_OPT
 def watch_cmd(config_path, host_root, state_dir, source, once, record, interval, as_json) -> None:
-    """Follow the kernel log, classify amdgpu events per card, contain faults (mark unhealthy, hooks)."""
+    """Follow the kernel log, classify amdgpu events per card, contain faults (fence, then hooks)."""
     from r9k.ops.sysfs import recovery_status
-    from r9k.ops.watch import Watcher, open_source, print_event
+    from r9k.ops.watch import SourceError, Watcher, open_source, print_event, print_hook
 
+    if interval != interval:  # NaN passes FloatRange's comparisons
+        raise BadInput("--interval nan: expected seconds between 0.01 and 3600")
     record = (not once) if record is None else record
     config = _load(config_path) if (record or os.path.exists(config_path)) else OpsConfig()
+    if record:
+        _check_state_dir(state_dir)
     recovery = recovery_status(host_root)
     if recovery.warning and not as_json:
         click.echo(f"warning: {recovery.warning}", err=True)
@@ -216,9 +264,18 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
         src = open_source(source, host_root, state_dir if record else None, follow=not once)
     except (FileNotFoundError, PermissionError) as exc:
         raise BadInput(str(exc)) from None
-    events = []
+    tally = {"events": 0, "new": 0, "host": 0}
+
+    def on_event(item) -> None:
+        tally["events"] += 1
+        tally["new"] += item.new
+        tally["host"] += item.host and item.new
+        print_event(item, as_json)
+
     watcher = Watcher(src, state_dir if record else None, host_root, config.hook_argvs() if record else [],
-                      config.fault_events, on_event=lambda item: (events.append(item), print_event(item, as_json)))
+                      config.fault_events, on_event=on_event, hook_timeout_s=config.hook_timeout_s,
+                      on_hook=lambda run: print_hook(run, as_json))
+    failure = None
     try:
         if once:
             watcher.poll(final=True)
@@ -227,13 +284,19 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
             signal.signal(signal.SIGINT, lambda *_: stop.set())
             watcher.run(stop, interval)
+    except SourceError as exc:
+        failure = str(exc)
     finally:
         src.close()
+        # Hooks already started finish (each bounded by hook_timeout_s) before the process exits.
+        watcher.wait_for_hooks(config.hook_timeout_s * max(1, len(config.hooks)) + 5)
     for gap in src.gaps:
         click.echo(f"warning: {gap}", err=True)
     if as_json:
-        click.echo(json.dumps({"summary": True, "events": len(events), "new": sum(1 for e in events if e.new),
-                               "recovery": recovery.to_json(), "gaps": src.gaps}))
+        click.echo(json.dumps({"summary": True, **tally, "recovery": recovery.to_json(), "gaps": src.gaps,
+                               "source_error": failure}))
+    if failure:
+        raise CheckFailed(failure)
 
 
 @ops.command("clear")
@@ -243,9 +306,17 @@ def clear_cmd(bdf: str, state_dir: str) -> None:
     """Mark card BDF healthy again, after a reboot or reset has restored it."""
     from r9k.ops.state import clear_card, read_card_state
 
+    from r9k.ops.state import StateFileError
+
     if not BDF_RE.match(bdf):
         raise BadInput(f"card {bdf!r}: expected a full lowercase PCI address like 0000:03:00.0")
-    if read_card_state(state_dir, bdf) is None:
+    _check_state_dir(state_dir, must_exist=True)
+    try:
+        known = read_card_state(state_dir, bdf) is not None
+    except StateFileError as exc:
+        known = True
+        click.echo(f"warning: {exc}; it is kept aside and the card starts over (counts reset)", err=True)
+    if not known:
         raise BadInput(f"card {bdf}: no state in {state_dir} (nothing to clear)")
     state = clear_card(state_dir, bdf)
     click.echo(f"{bdf}: healthy (event counts kept: "
@@ -256,17 +327,35 @@ def clear_cmd(bdf: str, state_dir: str) -> None:
 @_STATE_OPT
 @_JSON_OPT
 def health_cmd(state_dir: str, as_json: bool) -> None:
-    """Per-card health and event counts from the state directory (exit 1 if any card is unhealthy)."""
-    from r9k.ops.state import read_card_states
+    """Per-card health and event counts from the state directory, host-level (unattributed) events.
+    Exit 1 if any card is unhealthy or its state file is unreadable."""
+    import dataclasses
 
+    from r9k.ops.state import StateFileError, card_state_path, read_card_states, read_host_events
+
+    _check_state_dir(state_dir, must_exist=True)
     states = read_card_states(state_dir)
+    try:
+        host_events, host_error = read_host_events(state_dir), None
+    except StateFileError as exc:
+        host_events, host_error = [], str(exc)
     if as_json:
-        click.echo(json.dumps({bdf: s.to_json() for bdf, s in states.items()}, indent=1))
+        click.echo(json.dumps({"cards": {bdf: s.to_json() for bdf, s in states.items()},
+                               "unreadable": {bdf: why for bdf, why in states.corrupt.items()},
+                               "host_events": [dataclasses.asdict(e) for e in host_events],
+                               "host_events_error": host_error}, indent=1))
     else:
         for bdf, s in states.items():
             counts = ", ".join(f"{k}={v}" for k, v in s.counts.items() if v) or "no events"
             click.echo(f"{bdf} {'healthy' if s.healthy else 'UNHEALTHY: ' + (s.unhealthy_reason or '')} ({counts})")
-    if any(not s.healthy for s in states.values()):
+        for bdf, why in states.corrupt.items():
+            click.echo(f"{bdf} UNKNOWN: state file {card_state_path(state_dir, bdf)} unreadable ({why}); "
+                       "treated as unhealthy, `r9k ops clear` starts it over")
+        for event in host_events:
+            click.echo(f"host (no card) {event.type}={event.count}: {event.message}")
+        if host_error:
+            click.echo(f"host events: {host_error}")
+    if any(not s.healthy for s in states.values()) or states.corrupt or host_error:
         sys.exit(1)
 
 

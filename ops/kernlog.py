@@ -1,9 +1,12 @@
 """Kernel-log lines -> classified amdgpu events (the shared vocabulary in :mod:`r9k.ops.state`).
 
 Understands /dev/kmsg records (``pri,seq,ts,flags;msg`` with `` DEVICE=+pci:BDF`` continuation
-lines), ``journalctl -k -o json`` objects and plain dmesg/syslog text. The message is matched; the
-BDF comes from the ``amdgpu 0000:03:00.0:`` prefix, the record's device, or (for ``[drm]`` lines
-without one) the card the previous amdgpu line named.
+lines), ``journalctl -k -o json`` objects and plain dmesg/syslog text. Only kernel records count:
+kmsg records of the kernel facility, journal records with ``_TRANSPORT=kernel``, syslog lines
+tagged ``kernel:`` (a process's line naming a card must not fence it). The message is matched;
+the BDF comes from the ``amdgpu 0000:03:00.0:`` prefix or the record's device, or, for a line
+without either, from an addressed amdgpu line just before it (at most ``CONTEXT_MAX_LINES``
+lines and ``CONTEXT_WINDOW_S`` seconds earlier). Anything else stays unattributed (bdf None).
 """
 from __future__ import annotations
 
@@ -20,7 +23,16 @@ _BDF = rf"(?i:{BDF_PATTERN})"  # as the kernel writes it, any case
 _PREFIX_BDF = re.compile(rf"\b(?:amdgpu|pci)\s+({_BDF}):")
 _KMSG = re.compile(r"^(\d+),(\d+),(\d+),([^;]*);(.*)$")
 _DMESG_TS = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
-_SYSLOG = re.compile(r"^\S+(?:\s+\d+)?\s+[\d:.T+-]+\s+\S+\s+kernel:\s?(.*)$")
+# RFC 3164 (``Nov 30 05:24:01 host tag[pid]: msg``) or RFC 3339 stamps; the tag says who wrote it.
+_SYSLOG = re.compile(
+    r"^(?:[A-Z][a-z]{2}\s+\d{1,2}\s+\d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:?\d\d)?)"
+    r"\s+\S+\s+(?P<tag>[^\s:\[]+)(?:\[\d+\])?:\s?(?P<msg>.*)$"
+)
+# Kernel records carry facility 0 (LOG_KERN); a process writing to /dev/kmsg gets LOG_USER (8+).
+_KERNEL_PRIORITY_MAX = 7
+# Evidence window for a line without an address: the addressed amdgpu line just before it.
+CONTEXT_MAX_LINES = 3
+CONTEXT_WINDOW_S = 2.0
 
 # (type, pattern); the first match wins. Follow-up lines of one fault (``failed to remove hardware
 # queue from MES``, ``GPU reset end with ret``, ``VRAM is lost``) are deliberately not events.
@@ -37,6 +49,10 @@ _RULES: list[tuple[str, re.Pattern[str]]] = [
 ]
 
 
+# Every rule above contains one of these words: substring tests skip the rules for most lines.
+_RULE_WORDS = ("MES", "timeout", "GPU ", "device lost")
+
+
 @dataclass
 class LogLine:
     """One kernel message with where it came from: ``stream`` + ``ordinal`` order the log."""
@@ -46,6 +62,8 @@ class LogLine:
     ordinal: int
     device_bdf: str | None = None  # from the record's metadata (kmsg DEVICE=, journal _KERNEL_DEVICE)
     timestamp: str | None = None
+    mono_s: float | None = None  # kernel monotonic seconds, where the format has them
+    record_id: str | None = None  # identity for sources without an ordinal (saved text logs)
 
 
 @dataclass
@@ -55,9 +73,10 @@ class KernelEvent:
     message: str
     stream: str
     ordinal: int
-    attribution: str  # "prefix", "device" or "context" (previous amdgpu line's card)
+    attribution: str  # "prefix", "device", "context" (the addressed line just before) or "none"
     detail: dict[str, Any] = field(default_factory=dict)
     timestamp: str | None = None
+    record_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,14 +94,14 @@ def parse_kmsg_record(record: str, boot_stream: str) -> LogLine | None:
     """``pri,seq,ts,flags;message`` plus continuation lines (``" KEY=value"``)."""
     first, *more = record.split("\n")
     match = _KMSG.match(first)
-    if not match:
+    if not match or int(match.group(1)) > _KERNEL_PRIORITY_MAX:
         return None
     device = None
     for line in more:
         if line.startswith(" DEVICE="):
             device = _device_bdf(line[len(" DEVICE="):].strip())
     ts_us = int(match.group(3))
-    return LogLine(match.group(5), boot_stream, int(match.group(2)), device, f"{ts_us / 1e6:.6f}")
+    return LogLine(match.group(5), boot_stream, int(match.group(2)), device, f"{ts_us / 1e6:.6f}", ts_us / 1e6)
 
 
 def parse_journal_json(text: str) -> LogLine | None:
@@ -90,8 +109,8 @@ def parse_journal_json(text: str) -> LogLine | None:
         entry = json.loads(text)
     except (json.JSONDecodeError, ValueError):
         return None
-    if not isinstance(entry, dict):
-        return None
+    if not isinstance(entry, dict) or entry.get("_TRANSPORT") != "kernel":
+        return None  # stdout, syslog, journal: written by a process, not the kernel
     message = entry.get("MESSAGE")
     if isinstance(message, list):  # journald emits non-UTF-8 messages as byte arrays
         try:
@@ -108,53 +127,78 @@ def parse_journal_json(text: str) -> LogLine | None:
             stream, ordinal = f"journal:{boot}", int(entry["__MONOTONIC_TIMESTAMP"])
     except (KeyError, ValueError, TypeError):
         return None
+    mono = entry.get("_SOURCE_MONOTONIC_TIMESTAMP") or entry.get("__MONOTONIC_TIMESTAMP")
+    try:
+        mono_s = int(mono) / 1e6 if mono is not None else None
+    except (TypeError, ValueError):
+        mono_s = None
     return LogLine(message, stream, ordinal, _device_bdf(entry.get("_KERNEL_DEVICE")),
-                   entry.get("__REALTIME_TIMESTAMP"))
+                   entry.get("__REALTIME_TIMESTAMP"), mono_s)
 
 
 def parse_text_line(text: str, stream: str, ordinal: int) -> LogLine | None:
-    """dmesg (``[  12.345678] msg``), syslog (``... kernel: msg``) or a bare message."""
+    """dmesg (``[  12.345678] msg``), syslog (``... kernel: msg``) or a bare message (``dmesg -t``).
+    A syslog line from any tag but ``kernel`` is not a kernel record: None."""
     text = text.rstrip("\r\n")
     if not text.strip():
         return None
     timestamp = None
     match = _SYSLOG.match(text)
     if match:
-        text = match.group(1)
+        if match.group("tag") != "kernel":
+            return None
+        text = match.group("msg")
     match = _DMESG_TS.match(text)
     if match:
         timestamp, text = match.group(1), match.group(2)
-    return LogLine(text, stream, ordinal, None, timestamp)
+    return LogLine(text, stream, ordinal, None, timestamp, float(timestamp) if timestamp else None)
 
 
 class Classifier:
-    """Stateful: remembers the last card named (for ``[drm]`` lines) and each card's last event."""
+    """Stateful: remembers the last addressed amdgpu line (evidence for the line right after it)
+    and each card's last event."""
 
-    def __init__(self, context_bdf: str | None = None, last_types: dict[str, str] | None = None):
-        self.context_bdf = context_bdf
+    def __init__(self, last_types: dict[str, str] | None = None):
         self.last_types: dict[str, str] = dict(last_types or {})
+        self._lines = 0
+        self._context: tuple[str, int, float | None] | None = None  # (bdf, line number, mono_s)
+
+    def _context_bdf(self, line: LogLine) -> str | None:
+        if self._context is None:
+            return None
+        bdf, number, mono_s = self._context
+        if self._lines - number > CONTEXT_MAX_LINES:
+            return None
+        if mono_s is not None and line.mono_s is not None and not 0 <= line.mono_s - mono_s <= CONTEXT_WINDOW_S:
+            return None
+        return bdf
 
     def classify(self, line: LogLine) -> KernelEvent | None:
-        prefix = _PREFIX_BDF.search(line.message)
+        self._lines += 1
+        text = line.message
+        prefix = _PREFIX_BDF.search(text) if ("amdgpu" in text or "pci" in text) else None
         bdf, attribution = None, "context"
         if prefix:
             bdf, attribution = prefix.group(1).lower(), "prefix"
         elif line.device_bdf:
             bdf, attribution = line.device_bdf, "device"
+        context = None if bdf else self._context_bdf(line)
         if bdf and ("amdgpu" in line.message or attribution == "device"):
-            self.context_bdf = bdf
+            self._context = (bdf, self._lines, line.mono_s)
+        if not any(word in text for word in _RULE_WORDS):
+            return None
         for event_type, pattern in _RULES:
             match = pattern.search(line.message)
             if not match:
                 continue
             if bdf is None:
-                bdf = self.context_bdf
+                bdf = context
             detail = _detail(event_type, match)
             # "GPU Recovery Failed" follows "GPU reset(N) failed" for the same failure.
             if event_type == "reset_failed" and "n" not in detail and self.last_types.get(bdf or "") == "reset_failed":
                 return None
             event = KernelEvent(event_type, bdf, line.message.strip(), line.stream, line.ordinal,
-                                attribution if bdf else "none", detail, line.timestamp)
+                                attribution if bdf else "none", detail, line.timestamp, line.record_id)
             if bdf:
                 self.last_types[bdf] = event_type
             return event

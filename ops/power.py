@@ -13,7 +13,7 @@ from typing import Any, Callable
 from r9k.ops import sysfs
 from r9k.ops.config import OpsConfig
 from r9k.ops.lact import LactClient, LactError
-from r9k.ops.state import read_card_states, update_card_state
+from r9k.ops.state import CardPresence, StateFileError, card_presence, read_card_states, update_card_state
 from r9k.ops.sysfs import Card, NotReady
 
 
@@ -68,14 +68,17 @@ def _managed_targets(config: OpsConfig, cards: list[Card]) -> list[Card]:
     return [c for c in cards if c.is_r9700 or c.bdf in config.cards]
 
 
-def check_cards_present(config: OpsConfig, cards: list[Card]) -> None:
+def missing_configured_cards(config: OpsConfig, cards: list[Card]) -> list[str]:
+    """Cards the config names that are not on the host: reported (drift), never a reason to leave
+    the cards that are there unmanaged."""
     present = {c.bdf for c in cards}
-    missing = [bdf for bdf in config.cards if bdf not in present]
-    if missing:
-        raise PlanError(
-            f"card {', '.join(missing)} in the config is not an amdgpu card on this host "
-            f"(found: {', '.join(sorted(present)) or 'none'})"
-        )
+    return [bdf for bdf in config.cards if bdf not in present]
+
+
+def _missing_status(config: OpsConfig, bdf: str) -> "CardStatus":
+    wanted = config.wanted(bdf)
+    return CardStatus(bdf, None, False, True, wanted.power_cap_watts, None, wanted.voltage_offset_mv, None,
+                      None, None, drift=["card not found on this host"])
 
 
 def plan_card(config: OpsConfig, card: Card) -> CardPlan:
@@ -152,14 +155,16 @@ def retry_not_ready(action: Callable[[], Any], deadline: float, sleep: Callable[
 
 
 def _fenced_bdfs(state_dir: str | os.PathLike | None, host_root: str | os.PathLike) -> dict[str, str]:
+    """Cards whose sysfs is not to be touched: faulted this boot, or state unreadable (fail closed:
+    the lost file may have said the card was fenced; ``r9k ops clear`` resolves it)."""
     if state_dir is None:
         return {}
     boot = sysfs.boot_id(host_root)
-    return {
-        bdf: st.unhealthy_reason or "unhealthy"
-        for bdf, st in read_card_states(state_dir).items()
-        if st.sysfs_fenced(boot)
-    }
+    states = read_card_states(state_dir)
+    fenced = {bdf: st.unhealthy_reason or "unhealthy" for bdf, st in states.items() if st.sysfs_fenced(boot)}
+    fenced.update({bdf: f"ops state file unreadable ({why}); see r9k ops clear"
+                   for bdf, why in states.corrupt.items()})
+    return fenced
 
 
 def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus]) -> None:
@@ -174,7 +179,10 @@ def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus
             state.power_drift = list(status.drift)
             state.power_checked_at = time.time()
 
-        update_card_state(state_dir, status.bdf, change)
+        try:
+            update_card_state(state_dir, status.bdf, change)
+        except StateFileError:
+            continue  # left for the operator (reported as fenced); a power check must not erase it
 
 
 def power_status(
@@ -188,6 +196,7 @@ def power_status(
     states = read_card_states(state_dir) if state_dir else {}
     fenced = _fenced_bdfs(state_dir, host_root)
     targets = {c.bdf for c in _managed_targets(config, cards)}
+    unreadable = getattr(states, "corrupt", {})
     out = []
     for card in cards:
         wanted = config.wanted(card.bdf) if card.bdf in targets else None
@@ -204,8 +213,8 @@ def power_status(
             cap_range_watts=(card.cap_min_watts, card.cap_max_watts)
             if card.cap_min_watts is not None and card.cap_max_watts is not None else None,
             offset_range_mv=card.offset_range_mv,
-            healthy=st.healthy if st else True,
-            unhealthy_reason=st.unhealthy_reason if st else None,
+            healthy=st.healthy if st else card.bdf not in unreadable,
+            unhealthy_reason=st.unhealthy_reason if st else fenced.get(card.bdf),
             fenced=card.bdf in fenced,
             errors=list(card.errors),
         )
@@ -214,11 +223,7 @@ def power_status(
         elif status.fenced:
             status.drift = [f"fenced (not touched): {status.unhealthy_reason}"]
         out.append(status)
-    for bdf in config.cards:
-        if bdf not in {c.bdf for c in cards}:
-            out.append(CardStatus(bdf, None, False, True, config.wanted(bdf).power_cap_watts, None,
-                                  config.wanted(bdf).voltage_offset_mv, None, None, None,
-                                  drift=["card not found on this host"]))
+    out.extend(_missing_status(config, bdf) for bdf in missing_configured_cards(config, cards))
     if record:
         _record_power(state_dir, out)
     return out
@@ -287,16 +292,22 @@ def _apply_lact(backend: Backend, card: Card, plan: CardPlan, settle_s: float, a
     return drift
 
 
+def presence_of(config: OpsConfig, statuses: list[CardStatus]) -> CardPresence:
+    """Expected vs present cards from a status list (a status with ``card`` None is not there)."""
+    return card_presence(config, [s.bdf for s in statuses if s.card is not None])
+
+
 @dataclass
 class ApplyReport:
     backend: str
     backend_reason: str
     cards: list[CardStatus]
     recovery: sysfs.RecoveryStatus
+    presence: CardPresence | None = None
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.cards if c.managed)
+        return all(c.ok for c in self.cards if c.managed) and (self.presence is None or self.presence.ok)
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "backend": self.backend, "backend_reason": self.backend_reason,
@@ -318,21 +329,20 @@ def apply_power(
     """
     deadline = time.monotonic() + wait_s
     cards = sysfs.discover_cards(host_root)
-    check_cards_present(config, cards)
+    missing = missing_configured_cards(config, cards)
     targets = [c for c in _managed_targets(config, cards) if only is None or c.bdf in only]
     fenced = _fenced_bdfs(state_dir, host_root)
     backend = choose_backend(config, backend_override)
-    if backend.name == "lact":
-        absent = [c.bdf for c in targets if c.bdf not in backend.gpu_ids]
-        if absent:
-            raise BackendError(f"LACT does not list card {', '.join(absent)} (list_devices)")
+    # A card LACT does not list is reported for itself; the others are still applied.
+    unlisted = {c.bdf: "LACT does not list this card (list_devices)" for c in targets
+                if backend.name == "lact" and c.bdf not in backend.gpu_ids}
 
     # Wait for every card to be readable (hwmon appears late at boot), then validate all of them
     # before the first write: bad input must change nothing.
     ready: dict[str, Card] = {}
     not_ready: dict[str, str] = {}
     for card in targets:
-        if card.bdf in fenced:
+        if card.bdf in fenced or card.bdf in unlisted:
             continue
         try:
             ready[card.bdf] = retry_not_ready(lambda c=card: _checked(c), deadline)
@@ -349,7 +359,7 @@ def apply_power(
         raise PlanError("; ".join(problems))
 
     actions: dict[str, list[str]] = {bdf: [] for bdf in plans}
-    errors: dict[str, str] = dict(not_ready)
+    errors: dict[str, str] = {**not_ready, **unlisted}
     for bdf, plan in plans.items():
         try:
             if backend.name == "lact":
@@ -378,8 +388,11 @@ def apply_power(
             offset_range_mv=fresh.offset_range_mv, fenced=card.bdf in fenced,
             drift=drift, errors=list(fresh.errors), actions=actions.get(card.bdf, []),
         ))
+    if only is None:
+        statuses.extend(_missing_status(config, bdf) for bdf in missing)
     _record_power(state_dir, statuses)
-    return ApplyReport(backend.name, backend.reason, statuses, sysfs.recovery_status(host_root))
+    return ApplyReport(backend.name, backend.reason, statuses, sysfs.recovery_status(host_root),
+                       card_presence(config, [c.bdf for c in cards]))
 
 
 def _checked(card: Card) -> Card:

@@ -1,9 +1,15 @@
 """Kernel-log watcher: follow the log, classify amdgpu events, count each exactly once, contain faults.
 
-Exactly once across restarts: every event carries (stream, ordinal) -- kmsg boot id + sequence
-number, journal seqnum, or file identity + byte offset -- and each card's state file records the
-last ordinal counted per stream, in the same atomic write as the counts. The cursor file only
-says where to resume reading.
+Exactly once across restarts: every event carries the kernel's own record identity -- kmsg boot id
++ sequence number, journal seqnum (per seqnum id) -- or, for saved text logs that have none, a
+chained hash of the record and every record before it in the file (two boots of one kernel share
+their first lines, never their whole history). Each card's state file records what it counted in
+the same atomic write as the counts. The cursor file only says where to resume reading; a file that
+was truncated or replaced under the cursor is read again from the start, which the identities make
+safe. Files are streamed in chunks with records cut at ``MAX_RECORD_BYTES``.
+
+Containment: a fault fences its card first (state written), then the hooks run in their own threads,
+once per change of a card from healthy to unhealthy, each with the configured timeout.
 """
 from __future__ import annotations
 
@@ -16,107 +22,151 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from r9k.ops import sysfs
+from r9k.ops.config import hook_problem
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
-    DEFAULT_FAULT_EVENTS, LastEvent, atomic_write_json, read_card_states, update_card_state,
+    DEFAULT_FAULT_EVENTS, LastEvent, StateFileError, atomic_write_json, cap_message, read_card_states,
+    record_host_event, update_card_state,
 )
 
 CURSOR_FILE = "watch-cursor.json"
 _KMSG_HEADER = re.compile(r"^\d+,\d+,\d+,[^;]*;")
+# Kernel records are under 1 KiB; a longer line is cut here so one line cannot exhaust memory.
+MAX_RECORD_BYTES = 16 * 1024
+READ_CHUNK_BYTES = 1 << 20
+# Bytes before the resume offset that must be unchanged for the cursor to still apply.
+_CHECK_BYTES = 4096
 
 
-def _parse_any(text: str, stream: str, ordinal: int) -> LogLine | None:
+class SourceError(Exception):
+    """The log source failed (journalctl exited, the file vanished): the watcher cannot go on."""
+
+
+def _parse_any(text: str, stream: str, ordinal: int, record_id: str) -> LogLine | None:
     """One record from a saved log in whatever format it was saved."""
     stripped = text.lstrip()
     if stripped.startswith("{"):
-        line = parse_journal_json(stripped)
-        if line is not None:
-            # Position in the file orders lines of a saved log; keep the journal's own for display.
-            return LogLine(line.message, stream, ordinal, line.device_bdf, line.timestamp)
-        return None
-    kmsg = parse_kmsg_record(text, stream)
-    if kmsg is not None:
-        return LogLine(kmsg.message, stream, ordinal, kmsg.device_bdf, kmsg.timestamp)
-    return parse_text_line(text.split("\n", 1)[0], stream, ordinal)
+        # The journal's own identity (seqnum), so a file export and the live journal agree.
+        return parse_journal_json(stripped)
+    if _KMSG_HEADER.match(text):
+        kmsg = parse_kmsg_record(text, stream)  # None for a process's record (LOG_USER)
+        if kmsg is None:
+            return None
+        return LogLine(kmsg.message, stream, ordinal, kmsg.device_bdf, kmsg.timestamp, kmsg.mono_s, record_id)
+    line = parse_text_line(text.split("\n", 1)[0], stream, ordinal)
+    if line is not None:
+        line.record_id = record_id
+    return line
 
 
-def _split_records(data: bytes, base: int, final: bool) -> tuple[list[tuple[int, str]], int]:
-    """Split bytes into records (a line plus its `` KEY=value`` continuation lines).
+def iter_records(fh: IO[bytes], start: int, final: bool) -> Iterator[tuple[int, str, int]]:
+    """Stream records (a line plus its `` KEY=value`` continuation lines) from ``fh`` at ``start``.
 
-    Returns [(offset, text)] and how many bytes were consumed. An unfinished line, and a trailing
-    kmsg record that may still get continuation lines, wait for the next read unless ``final``.
+    Yields (offset, text, end offset). Lines longer than MAX_RECORD_BYTES are cut (the rest of the
+    line is skipped). An unfinished last line, and a trailing kmsg record that may still get
+    continuation lines, are left for the next read unless ``final``.
     """
-    records: list[tuple[int, str]] = []
-    pos = 0
-    while pos < len(data):
-        end = data.find(b"\n", pos)
-        if end < 0 and not final:
+    pending: list[Any] | None = None  # [offset, text, end]
+    pos = start
+    while True:
+        raw = fh.readline(MAX_RECORD_BYTES)  # buffered, in C; bounded
+        if not raw:
             break
-        end = len(data) if end < 0 else end
-        text = data[pos:end].decode("utf-8", "replace")
-        if text.startswith(" ") and "=" in text and records:
-            records[-1] = (records[-1][0], records[-1][1] + "\n" + text)
-        else:
-            records.append((pos, text))
-        pos = end + 1
-    consumed = min(pos, len(data))
-    if records and not final and _KMSG_HEADER.match(records[-1][1]):
-        consumed = records.pop()[0]
-    return [(base + start, text) for start, text in records], consumed
+        line_start, end = pos, pos + len(raw)
+        complete = raw.endswith(b"\n")
+        while not complete and len(raw) >= MAX_RECORD_BYTES:  # an over-long line: skip its rest
+            rest = fh.readline(READ_CHUNK_BYTES)
+            if not rest:
+                break
+            end += len(rest)
+            complete = rest.endswith(b"\n")
+            if complete or len(rest) < READ_CHUNK_BYTES:
+                break
+        if not complete and not final:
+            break  # unfinished: read again next time
+        pos = end
+        text = raw.rstrip(b"\n").decode("utf-8", "replace")
+        if text.startswith(" ") and "=" in text and pending is not None:
+            pending[1] += "\n" + text
+            pending[2] = end
+            continue
+        if pending is not None:
+            yield tuple(pending)
+        pending = [line_start, text, end]
+    if pending is not None and (final or not _KMSG_HEADER.match(pending[1])):
+        yield tuple(pending)
+
+
+def _chain(previous: str, text: str) -> str:
+    """The identity of a record: CRC-32 and Adler-32 chained over every record of the file up to
+    and including it (cheap C calls per line; 64 bits, compared only among one card's ids)."""
+    crc, adler = (int(previous[:8], 16), int(previous[8:16], 16)) if previous else (0, 1)
+    data = text.encode("utf-8", "replace") + b"\n"
+    return f"{zlib.crc32(data, crc):08x}{zlib.adler32(data, adler):08x}"
 
 
 class FileSource:
-    """A saved or growing log file. Stream identity = hash of its first line (survives renames)."""
-
-    key_prefix = "file:"
+    """A saved or growing log file, streamed. Records are identified by a hash chained from the
+    file's first record (see the module docstring); the cursor keeps offset, chain and a hash of
+    the bytes before the offset, so truncation (``copytruncate``) or replacement is noticed."""
 
     def __init__(self, path: str | os.PathLike, resume: dict[str, Any] | None = None):
         self.path = Path(path)
         self.key = f"file:{self.path.resolve()}"
+        self.stream = self.key
         self.offset = 0
-        self.stream: str | None = None
-        self._resume = resume or {}
+        self.chain = ""
+        self.check: str | None = None
         self.gaps: list[str] = []
+        resume = resume or {}
+        if isinstance(resume.get("offset"), int) and isinstance(resume.get("chain"), str):
+            self.offset, self.chain, self.check = resume["offset"], resume["chain"], resume.get("check")
 
-    def _identify(self) -> bool:
-        if self.stream is not None:
+    def _tail_hash(self, fh: IO[bytes], offset: int) -> str:
+        begin = max(0, offset - _CHECK_BYTES)
+        fh.seek(begin)
+        return hashlib.sha1(fh.read(offset - begin)).hexdigest()
+
+    def _still_valid(self, fh: IO[bytes]) -> bool:
+        if self.offset == 0:
             return True
-        with open(self.path, "rb") as fh:
-            head = fh.readline(4096)
-        if not head.endswith(b"\n"):
+        size = os.fstat(fh.fileno()).st_size
+        if size < self.offset:
+            self.gaps.append(f"{self.path} was truncated (size {size} < offset {self.offset}): reading it again")
             return False
-        self.stream = "file:" + hashlib.sha1(head).hexdigest()[:16]
-        if self._resume.get("stream") == self.stream and self._resume.get("offset", 0) <= self.path.stat().st_size:
-            self.offset = int(self._resume["offset"])
+        if self.check is not None and self._tail_hash(fh, self.offset) != self.check:
+            self.gaps.append(f"{self.path} was truncated or replaced under the cursor: reading it again")
+            return False
         return True
 
-    def read(self, final: bool = False) -> list[LogLine]:
-        if not self._identify():
-            return []
-        with open(self.path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size < self.offset:
-                self.gaps.append(f"{self.path} shrank: reading it again from the start")
-                self.offset = 0
+    def read(self, final: bool = False) -> Iterator[LogLine]:
+        try:
+            fh = open(self.path, "rb")
+        except FileNotFoundError:
+            return  # rotated away; a new file of that name is read when it appears
+        with fh:
+            if not self._still_valid(fh):
+                self.offset, self.chain = 0, ""
             fh.seek(self.offset)
-            data = fh.read()
-        records, consumed = _split_records(data, self.offset, final)
-        self.offset += consumed
-        out = []
-        for offset, text in records:
-            line = _parse_any(text, self.stream, offset)
-            if line is not None:
-                out.append(line)
-        return out
+            for offset, text, end in iter_records(fh, self.offset, final):
+                self.chain = _chain(self.chain, text)
+                self.offset = end
+                line = _parse_any(text, self.stream, offset, self.chain)
+                if line is not None:
+                    yield line
+            self.check = self._tail_hash(fh, self.offset)
 
     def position(self) -> dict[str, Any]:
-        return {"stream": self.stream, "offset": self.offset}
+        return {"offset": self.offset, "chain": self.chain, "check": self.check}
 
     def close(self) -> None:
         pass
@@ -137,9 +187,8 @@ class KmsgSource:
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         self._offset = 0
 
-    def _raw_records(self, final: bool) -> list[str]:
+    def _raw_records(self, final: bool) -> Iterator[str]:
         if self._is_device:
-            out = []
             while True:
                 try:
                     chunk = os.read(self._fd, 16384)
@@ -152,21 +201,15 @@ class KmsgSource:
                     raise
                 if not chunk:
                     break
-                out.append(chunk.decode("utf-8", "replace").rstrip("\n"))
-            return out
-        os.lseek(self._fd, self._offset, os.SEEK_SET)
-        data = b""
-        while True:
-            chunk = os.read(self._fd, 1 << 20)
-            if not chunk:
-                break
-            data += chunk
-        records, consumed = _split_records(data, self._offset, final)
-        self._offset += consumed
-        return [text for _, text in records]
+                yield chunk.decode("utf-8", "replace").rstrip("\n")
+            return
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            for _, text, end in iter_records(fh, self._offset, final):
+                self._offset = end
+                yield text
 
-    def read(self, final: bool = False) -> list[LogLine]:
-        out = []
+    def read(self, final: bool = False) -> Iterator[LogLine]:
         for text in self._raw_records(final):
             line = parse_kmsg_record(text, self.stream)
             if line is None:
@@ -177,8 +220,7 @@ class KmsgSource:
                 if line.ordinal > self.last_seq + 1:
                     self.gaps.append(f"kmsg: {line.ordinal - self.last_seq - 1} records lost after seq {self.last_seq}")
             self.last_seq = line.ordinal
-            out.append(line)
-        return out
+            yield line
 
     def position(self) -> dict[str, Any]:
         return {"stream": self.stream, "seq": self.last_seq}
@@ -188,7 +230,10 @@ class KmsgSource:
 
 
 class JournalSource:
-    """``journalctl -k -o json`` (``-f`` to follow), resuming after the saved cursor."""
+    """``journalctl -k -o json`` (``-f`` to follow), resuming after the saved cursor.
+
+    journalctl reports failures on stderr with a non-zero exit: both are checked, and a journalctl
+    that exits (while following, or non-zero) raises SourceError with its last stderr line."""
 
     def __init__(self, host_root: str | os.PathLike, follow: bool, resume: dict[str, Any] | None = None,
                  journalctl: str = "journalctl"):
@@ -196,26 +241,39 @@ class JournalSource:
         self.cursor = (resume or {}).get("cursor")
         self.gaps: list[str] = []
         self.argv = journal_argv(host_root, follow, self.cursor, journalctl)
-        self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      stdin=subprocess.DEVNULL)
         os.set_blocking(self._proc.stdout.fileno(), False)
-        self._buf = b""
+        self._buf = bytearray()
         self._follow = follow
 
-    def read(self, final: bool = False) -> list[LogLine]:
+    def _lines(self, final: bool) -> Iterator[bytes]:
         assert self._proc.stdout is not None
-        if not self._follow and final:
-            self._proc.wait()
+        fd = self._proc.stdout.fileno()
+        if final and not self._follow:
+            os.set_blocking(fd, True)  # read to EOF: waiting first would deadlock on a full pipe
         while True:
             try:
-                chunk = os.read(self._proc.stdout.fileno(), 1 << 16)
+                chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
                 break
             if not chunk:
                 break
             self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        out = []
-        for raw in lines:
+            while True:
+                nl = self._buf.find(b"\n")
+                if nl < 0:
+                    break
+                line = bytes(self._buf[:nl])
+                del self._buf[:nl + 1]
+                yield line
+            if len(self._buf) > MAX_RECORD_BYTES:  # a line without end: keep its head only
+                yield bytes(self._buf[:MAX_RECORD_BYTES])
+                self._buf.clear()
+
+    def read(self, final: bool = False) -> Iterator[LogLine]:
+        for raw in self._lines(final):
             text = raw.decode("utf-8", "replace")
             line = parse_journal_json(text)
             if line is None:
@@ -224,8 +282,20 @@ class JournalSource:
                 self.cursor = json.loads(text).get("__CURSOR", self.cursor)
             except json.JSONDecodeError:
                 pass
-            out.append(line)
-        return out
+            yield line
+        if final and not self._follow:
+            self._proc.wait()
+        self._check_exit()
+
+    def _check_exit(self) -> None:
+        returncode = self._proc.poll()
+        if returncode is None or (returncode == 0 and not self._follow):
+            return
+        self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, self._stderr.tell() - 4096))
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        why = lines[-1].strip() if lines else "no message on stderr"
+        raise SourceError(f"journalctl exited with status {returncode}: {why} ({' '.join(self.argv)})")
 
     def position(self) -> dict[str, Any]:
         return {"cursor": self.cursor}
@@ -234,6 +304,7 @@ class JournalSource:
         if self._proc.poll() is None:
             self._proc.terminate()
             self._proc.wait(timeout=5)
+        self._stderr.close()
 
 
 def journal_argv(host_root: str | os.PathLike, follow: bool, cursor: str | None,
@@ -257,9 +328,10 @@ def open_source(spec: str, host_root: str | os.PathLike, state_dir: str | os.Pat
     if spec == "kmsg":
         return KmsgSource(sysfs.host_path(host_root, "/dev/kmsg"), sysfs.boot_id(host_root), cursors.get("kmsg"))
     if spec == "journal":
-        if shutil.which("journalctl") is None:
-            raise FileNotFoundError("journalctl not found (use --source kmsg or a file)")
-        return JournalSource(host_root, follow, cursors.get("journal"))
+        journalctl = shutil.which("journalctl")
+        if journalctl is None:
+            raise FileNotFoundError("journalctl not found on PATH (use --source kmsg or a file)")
+        return JournalSource(host_root, follow, cursors.get("journal"), journalctl)
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"log source {spec}: not a readable file (expected kmsg, journal or a file)")
@@ -283,35 +355,54 @@ class HookRun:
     argv: list[str]
     returncode: int | None
     error: str | None = None
+    bdf: str | None = None
+    event_type: str | None = None
+    duration_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hook": self.argv, "bdf": self.bdf, "event": self.event_type, "returncode": self.returncode,
+                "error": self.error, "duration_s": self.duration_s}
 
 
 @dataclass
 class Seen:
-    """An event as the watcher handled it: new (counted now) or already counted before."""
+    """An event as the watcher handled it: new (counted now) or already counted before.
+    ``host`` marks an event no card could be named for (counted as a host-level event)."""
 
     event: KernelEvent
     new: bool
     fault: bool
-    hooks: list[HookRun] = field(default_factory=list)
+    host: bool = False
+    fenced_now: bool = False
 
     def to_json(self) -> dict[str, Any]:
         data = self.event.to_json()
-        data.update(new=self.new, fault=self.fault,
-                    hooks=[{"argv": h.argv, "returncode": h.returncode, "error": h.error} for h in self.hooks])
+        data.pop("record_id", None)
+        data.update(new=self.new, fault=self.fault, host=self.host, fenced_now=self.fenced_now)
         return data
 
 
 def run_hooks(hooks: list[list[str]], event: KernelEvent, timeout_s: float = 60.0) -> list[HookRun]:
-    env = dict(os.environ, R9K_EVENT=event.type, R9K_BDF=event.bdf or "", R9K_MESSAGE=event.message)
+    """Run each hook once for ``event`` (blocking; the watcher calls it off its loop)."""
+    env = dict(os.environ, R9K_EVENT=event.type, R9K_BDF=event.bdf or "", R9K_MESSAGE=cap_message(event.message))
     runs = []
     for argv in hooks:
+        started = time.monotonic()
+        problem = hook_problem(argv[0])  # checked again now: the file may have changed since load
+        if problem:
+            runs.append(HookRun(argv, None, f"not run: {problem}", event.bdf, event.type, 0.0))
+            continue
         try:
             proc = subprocess.run(argv, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            runs.append(HookRun(argv, proc.returncode,
-                                proc.stderr.decode(errors="replace").strip()[-200:] or None if proc.returncode else None))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            runs.append(HookRun(argv, None, str(exc)))
+            error = proc.stderr.decode(errors="replace").strip()[-200:] or None if proc.returncode else None
+            runs.append(HookRun(argv, proc.returncode, error, event.bdf, event.type,
+                                round(time.monotonic() - started, 3)))
+        except subprocess.TimeoutExpired:
+            runs.append(HookRun(argv, None, f"timed out after {timeout_s:g} s (killed)", event.bdf, event.type,
+                                round(time.monotonic() - started, 3)))
+        except OSError as exc:
+            runs.append(HookRun(argv, None, str(exc), event.bdf, event.type, round(time.monotonic() - started, 3)))
     return runs
 
 
@@ -326,19 +417,22 @@ class Watcher:
         hooks: list[list[str]] | None = None,
         fault_events: list[str] | tuple[str, ...] = DEFAULT_FAULT_EVENTS,
         on_event: Callable[[Seen], None] | None = None,
+        hook_timeout_s: float = 60.0,
+        on_hook: Callable[[HookRun], None] | None = None,
     ):
         self.source = source
         self.state_dir = state_dir
         self.hooks = hooks or []
+        self.hook_timeout_s = hook_timeout_s
         self.fault_events = set(fault_events)
         self.on_event = on_event
+        self.on_hook = on_hook
         self.boot = sysfs.boot_id(host_root)
-        cursors = load_cursors(state_dir)
+        self.hook_runs: list[HookRun] = []
+        self._hook_threads: list[threading.Thread] = []
+        self._hook_lock = threading.Lock()
         states = read_card_states(state_dir) if state_dir else {}
-        self.classifier = Classifier(
-            context_bdf=(cursors.get(source.key) or {}).get("context_bdf"),
-            last_types={b: s.last_event.type for b, s in states.items() if s.last_event},
-        )
+        self.classifier = Classifier(last_types={b: s.last_event.type for b, s in states.items() if s.last_event})
 
     def is_fault(self, event: KernelEvent) -> bool:
         if event.type == "ring_timeout" and event.detail.get("soft_recovered"):
@@ -346,43 +440,78 @@ class Watcher:
         return event.type in self.fault_events
 
     def poll(self, final: bool = False) -> list[Seen]:
-        seen = [self._handle(e) for e in (self.classifier.classify(line) for line in self.source.read(final)) if e]
+        seen = []
+        for line in self.source.read(final):
+            event = self.classifier.classify(line)
+            if event is not None:
+                seen.append(self._handle(event))
         if self.state_dir is not None:
             cursors = load_cursors(self.state_dir)
-            cursors[self.source.key] = {**self.source.position(), "context_bdf": self.classifier.context_bdf}
+            cursors[self.source.key] = self.source.position()
             atomic_write_json(Path(self.state_dir) / CURSOR_FILE, cursors)
         return seen
 
     def _handle(self, event: KernelEvent) -> Seen:
         fault = self.is_fault(event)
-        if self.state_dir is None or event.bdf is None:
-            item = Seen(event, new=self.state_dir is None, fault=fault)
+        if self.state_dir is None:
+            item = Seen(event, new=True, fault=fault, host=event.bdf is None)
+        elif event.bdf is None:
+            new = record_host_event(self.state_dir, event.type, event.message, event.stream, event.ordinal,
+                                    event.record_id)
+            item = Seen(event, new=new, fault=fault, host=True)
         else:
-            new = False
-
-            def change(state):
-                nonlocal new
-                if state.seen(event.stream, event.ordinal):
-                    return
-                new = True
-                state.counts[event.type] = state.counts.get(event.type, 0) + 1
-                state.last_event = LastEvent(event.type, event.message, time.time(), dict(event.detail))
-                state.mark_seen(event.stream, event.ordinal)
-                if fault and state.healthy:
-                    state.healthy = False
-                    state.unhealthy_reason = f"{event.type}: {event.message}"
-                    state.unhealthy_since = time.time()
-                    state.unhealthy_boot_id = self.boot
-                elif fault:
-                    state.unhealthy_boot_id = self.boot
-
-            update_card_state(self.state_dir, event.bdf, change)
-            item = Seen(event, new=new, fault=fault)
-            if new and fault and self.hooks:
-                item.hooks = run_hooks(self.hooks, event)
+            item = self._count_for_card(event, fault)
         if self.on_event:
             self.on_event(item)
         return item
+
+    def _count_for_card(self, event: KernelEvent, fault: bool) -> Seen:
+        new = fenced_now = False
+
+        def change(state):
+            nonlocal new, fenced_now
+            if state.seen(event.stream, event.ordinal, event.record_id):
+                return
+            new = True
+            message = cap_message(event.message)
+            state.counts[event.type] = state.counts.get(event.type, 0) + 1
+            state.last_event = LastEvent(event.type, message, time.time(), dict(event.detail))
+            state.mark_seen(event.stream, event.ordinal, event.record_id)
+            if fault and state.healthy:
+                fenced_now = True
+                state.healthy = False
+                state.unhealthy_reason = f"{event.type}: {message}"
+                state.unhealthy_since = time.time()
+                state.unhealthy_boot_id = self.boot
+            elif fault:
+                state.unhealthy_boot_id = self.boot
+
+        # A corrupt state file is kept aside and the card starts unhealthy: never lose the fault.
+        update_card_state(self.state_dir, event.bdf, change, replace_corrupt=True)
+        if fenced_now and self.hooks:
+            self._start_hooks(event)
+        return Seen(event, new=new, fault=fault, fenced_now=fenced_now)
+
+    def _start_hooks(self, event: KernelEvent) -> None:
+        def work():
+            for run in run_hooks(self.hooks, event, self.hook_timeout_s):
+                with self._hook_lock:
+                    self.hook_runs.append(run)
+                if self.on_hook:
+                    self.on_hook(run)
+
+        thread = threading.Thread(target=work, name=f"r9k-hooks-{event.bdf}", daemon=True)
+        self._hook_threads.append(thread)
+        thread.start()
+
+    def wait_for_hooks(self, timeout_s: float | None = None) -> list[HookRun]:
+        """Wait for started hooks (each is bounded by ``hook_timeout_s``); the runs so far."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in self._hook_threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._hook_threads = [t for t in self._hook_threads if t.is_alive()]
+        with self._hook_lock:
+            return list(self.hook_runs)
 
     def run(self, stop: threading.Event, interval_s: float = 0.5) -> None:
         while not stop.is_set():
@@ -390,16 +519,32 @@ class Watcher:
             stop.wait(interval_s)
 
 
+_print_lock = threading.Lock()
+
+
 def print_event(item: Seen, as_json: bool, out=None) -> None:
     out = out or sys.stdout
     if as_json:
-        print(json.dumps(item.to_json()), file=out, flush=True)
+        with _print_lock:
+            print(json.dumps(item.to_json()), file=out, flush=True)
         return
     e = item.event
-    flags = ("" if item.new else " (already counted)") + (" FAULT" if item.fault else "")
+    if item.host:
+        flags = " (no card: host event)" + ("" if item.new else " (already counted)")
+    else:
+        flags = ("" if item.new else " (already counted)")
+    flags += (" FAULT" if item.fault else "") + (" -> fenced" if item.fenced_now else "")
     detail = " ".join(f"{k}={v}" for k, v in e.detail.items())
-    print(f"{e.timestamp or '-':>14} {e.bdf or 'unknown-card':<13} {e.type:<17} {detail}{flags}  | {e.message}",
-          file=out, flush=True)
-    for hook in item.hooks:
-        status = f"rc={hook.returncode}" if hook.returncode is not None else f"error: {hook.error}"
-        print(f"{'':>14} hook {' '.join(hook.argv)}: {status}", file=out, flush=True)
+    with _print_lock:
+        print(f"{e.timestamp or '-':>14} {e.bdf or 'no-card':<13} {e.type:<17} {detail}{flags}  | {e.message}",
+              file=out, flush=True)
+
+
+def print_hook(run: HookRun, as_json: bool, out=None) -> None:
+    out = out or sys.stdout
+    with _print_lock:
+        if as_json:
+            print(json.dumps(run.to_json()), file=out, flush=True)
+            return
+        status = f"rc={run.returncode}" if run.returncode is not None else f"error: {run.error}"
+        print(f"{'':>14} {run.bdf or '-':<13} hook {' '.join(run.argv)}: {status}", file=out, flush=True)

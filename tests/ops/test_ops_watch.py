@@ -19,7 +19,11 @@ A, B, C = "0000:03:00.0", "0000:04:00.0", "0000:0a:00.0"
 
 
 def _classify(message, context=None):
-    return Classifier(context_bdf=context).classify(parse_text_line(message, "t", 0))
+    """Classify ``message``; with ``context``, right after an addressed line of that card."""
+    classifier = Classifier()
+    if context:
+        classifier.classify(parse_text_line(f"amdgpu {context}: amdgpu: SMU is initialized successfully!", "t", 0))
+    return classifier.classify(parse_text_line(message, "t", 1))
 
 
 @pytest.mark.parametrize(
@@ -93,10 +97,10 @@ def _mixed_log() -> tuple[list[bytes], dict[str, dict[str, int]]]:
     ]
     journal = [
         json.dumps({"MESSAGE": f"amdgpu {A}: amdgpu: MES failed to respond to msg=INVALIDATE_TLBS",
-                    "__SEQNUM": 77, "__SEQNUM_ID": "s", "_BOOT_ID": "b", "__REALTIME_TIMESTAMP": "1700000000000000",
+                    "__SEQNUM": 77, "__SEQNUM_ID": "s", "_BOOT_ID": "b", "_TRANSPORT": "kernel", "__REALTIME_TIMESTAMP": "1700000000000000",
                     "_KERNEL_DEVICE": f"+pci:{A}"}) + "\n",
         json.dumps({"MESSAGE": list(f"amdgpu {C}: amdgpu: device lost from bus!\xff".encode("latin-1")),
-                    "__SEQNUM": 78, "__SEQNUM_ID": "s", "_BOOT_ID": "b"}) + "\n",
+                    "__SEQNUM": 78, "__SEQNUM_ID": "s", "_BOOT_ID": "b", "_TRANSPORT": "kernel"}) + "\n",
         '{"MESSAGE": 5}\n',
         "[drm] GPU recovery disabled.\n",  # context: the previous amdgpu line named card C
     ]
@@ -201,9 +205,11 @@ def test_containment_marks_unhealthy_runs_hooks_until_cleared(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in result.stdout.splitlines()]
-    assert [(x.get("type"), x.get("fault")) for x in lines[:-1]] == [
+    assert [(x.get("type"), x.get("fault")) for x in lines if "type" in x] == [
         ("ring_timeout", False), ("mes_timeout", True), ("recovery_disabled", False)]
     assert lines[-1]["new"] == 3 and lines[-1]["recovery"]["recovery_disabled"] is False
+    hooks = [x for x in lines if "hook" in x]  # hooks run once for the card's change to unhealthy
+    assert [(x["bdf"], x["event"], x["returncode"]) for x in hooks] == [(A, "mes_timeout", 0)] * 2
     assert calls.read_text().splitlines() == [f"mes_timeout {A}", f"mes_timeout {A}"]
     a, b = read_card_state(state, A), read_card_state(state, B)
     assert (a.healthy, b.healthy) == (False, True)
