@@ -37,8 +37,7 @@ def _load(config: str):
         if cfg.hosts:  # the inventory is in the file: refuse what cannot fit before Ray starts
             from r9k.ops.state import read_card_states
 
-            bad = {b: s.unhealthy_reason or "unhealthy" for b, s in read_card_states(cfg.ops_state_dir).items()
-                   if not s.healthy}
+            bad = read_card_states(cfg.ops_state_dir).unhealthy()  # a corrupt card file counts as fenced
             check_fits(cfg, cfg.hosts, unusable_cards(cfg, bad))
     except FleetConfigError as exc:
         raise BadInput(str(exc)) from None

@@ -143,8 +143,11 @@ class EntrySpec(_Strict):
 
 
 class ExporterSpec(_Strict):
+    """The fleet's own exporter (replicas only, supervised by the controller); 9701 because every
+    GPU host runs `r9k exporter` for its cards on 9700."""
+
     listen: StrictStr = "127.0.0.1"
-    port: StrictInt = Field(default=9700, ge=1, le=65535)
+    port: StrictInt = Field(default=9701, ge=1, le=65535)
 
 
 class PlacementSpec(_Strict):

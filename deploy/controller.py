@@ -36,6 +36,8 @@ from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
 SUPERVISOR_TIMEOUT_S = 10.0
+EXPORTER_BACKOFF_S = 1.0          # first restart of an exited exporter; doubles per restart
+EXPORTER_BACKOFF_MAX_S = 60.0
 HISTORY_LINES = 20
 
 
@@ -84,6 +86,9 @@ class FleetController(Backend):
         self.probe: HttpProbe | None = None
         self.monitor_task: asyncio.Task | None = None
         self.exporter: subprocess.Popen | None = None
+        self.exporter_restarts = 0
+        self.exporter_last_exit: int | None = None
+        self.exporter_restart_at: float | None = None   # monotonic time of the next start attempt
         self.started_ray = False
         self.stopping = asyncio.Event()
         self.plans = {m.name: planned_pool(m, cfg) for m in cfg.models}
@@ -125,13 +130,42 @@ class FleetController(Backend):
             {"pid": os.getpid(), "url": self.url, "config": self.config_path}))
 
     def _start_exporter(self) -> None:
+        """The fleet's exporter: replicas only (each host's own `r9k exporter` has its cards)."""
         if self.cfg.exporter is None:
             return
-        argv = [sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--port", str(self.cfg.exporter.port),
-                "--listen", self.cfg.exporter.listen, "--fleet", f"{self.url}/fleet/status",
-                "--state-dir", self.cfg.ops_state_dir]
-        self.exporter = subprocess.Popen(argv, stdout=open(self.run_dir / "exporter.log", "w"),
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        argv = [sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--no-cards",
+                "--port", str(self.cfg.exporter.port), "--listen", self.cfg.exporter.listen,
+                "--fleet", f"{self.url}/fleet/status"]
+        with open(self.run_dir / "exporter.log", "a") as out:  # appended: earlier runs' exits stay readable
+            self.exporter = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.exporter_restart_at = None
+
+    def _supervise_exporter(self, now: float | None = None) -> None:
+        """Restart an exporter that exited, with a doubling backoff (a port taken by someone else
+        is retried, not spun on); the exit is logged and shown in the status."""
+        if self.cfg.exporter is None or self.stopping.is_set():
+            return
+        if self.exporter is not None and self.exporter.poll() is None:
+            return
+        now = time.monotonic() if now is None else now
+        if self.exporter is not None:
+            self.exporter_last_exit = self.exporter.returncode
+            self.exporter = None
+            delay = min(EXPORTER_BACKOFF_MAX_S, EXPORTER_BACKOFF_S * 2 ** self.exporter_restarts)
+            self.exporter_restart_at = now + delay
+            log.warning("exporter exited with status %s; restarting in %.0f s (log: %s)",
+                        self.exporter_last_exit, delay, self.run_dir / "exporter.log")
+        if self.exporter_restart_at is not None and now >= self.exporter_restart_at:
+            self.exporter_restarts += 1
+            self._start_exporter()
+
+    def exporter_status(self) -> dict[str, Any] | None:
+        if self.cfg.exporter is None:
+            return None
+        running = self.exporter is not None and self.exporter.poll() is None
+        return {"url": f"http://{self.cfg.exporter.listen}:{self.cfg.exporter.port}/metrics",
+                "pid": self.exporter.pid if running else None, "running": running,
+                "restarts": self.exporter_restarts, "last_exit": self.exporter_last_exit}
 
     # -- carrying out the lifecycle's actions -----------------------------------------------------
 
@@ -255,6 +289,7 @@ class FleetController(Backend):
     async def _monitor(self) -> None:
         while not self.stopping.is_set():
             try:
+                self._supervise_exporter()
                 self._ops_poll()
                 await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())
                                        if r.task is None and r.lc.state in PROBED_STATES))
@@ -361,7 +396,8 @@ class FleetController(Backend):
         plans = {name: {"stock_tokens": p.stock.tokens, "onepage_tokens": p.onepage.tokens,
                         "stock_blocks": p.stock.num_blocks, "onepage_blocks": p.onepage.num_blocks}
                  for name, p in self.plans.items()}
-        return {"replicas": live, "stopped": stopped, "cards": cards, "capacity": plans, "entry": self.url}
+        return {"replicas": live, "stopped": stopped, "cards": cards, "capacity": plans, "entry": self.url,
+                "exporter": self.exporter_status()}
 
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if action == "drain":
@@ -398,7 +434,11 @@ class FleetController(Backend):
             r.lc.shut_down()
         if self.exporter is not None:
             self.exporter.terminate()
-            self.exporter.wait(timeout=10)
+            try:
+                self.exporter.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.exporter.kill()
+                self.exporter.wait()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:

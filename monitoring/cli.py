@@ -43,11 +43,14 @@ DEFAULT_PORT = 9700
 @click.option("--replica-budget", "replica_budget_s", type=float, default=5.0, show_default=True,
               help="Seconds for the whole replica phase of a scrape (fleet status and every replica); "
                    "replicas unanswered by then read r9k_replica_up 0. Keep it under the scrape_timeout.")
+@click.option("--cards/--no-cards", default=True, show_default=True,
+              help="Collect this host's cards; --no-cards: replicas only (what `r9k fleet up` runs, next to "
+                   "each host's own exporter).")
 @click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
 def exporter(port: int, listen: str, web_config_file: Path | None, host_root: str, state_dir: str, config_path: str,
              replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
-             timeout_s: float, replica_budget_s: float, once: bool, as_json: bool) -> None:
+             timeout_s: float, replica_budget_s: float, cards: bool, once: bool, as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
     from r9k.monitoring.web_config import WebConfigError, is_loopback, load_web_config
@@ -55,7 +58,7 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
 
     if not 0 <= port <= 65535:
         raise BadInput(f"--port {port}: expected 0-65535")
-    if not (Path(host_root) / "sys").is_dir():
+    if cards and not (Path(host_root) / "sys").is_dir():
         raise BadInput(f"--host-root {host_root}: no sys/ directory under it (expected / or a host tree)")
     if timeout_s <= 0:
         raise BadInput(f"--timeout {timeout_s}: expected seconds > 0")
@@ -84,7 +87,7 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
         raise BadInput(f"replica name {', '.join(dupes)} given twice; expected unique names (add name=...)")
 
     collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s,
-                                replica_budget_s)
+                                replica_budget_s, cards=cards)
     registry = build_registry(collector)
     if once:
         if as_json:
@@ -103,7 +106,8 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
         click.echo(f"r9k exporter: warning: --listen {listen} serves card and replica metrics to the "
                    "network without TLS or auth (--web-config-file)", err=True)
     scheme = "https" if web is not None and web[1] is not None else "http"
-    click.echo(f"r9k exporter: {scheme}://{listen}:{bound}/metrics (host root {host_root}, "
+    click.echo(f"r9k exporter: {scheme}://{listen}:{bound}/metrics "
+               f"({'host root ' + host_root if cards else 'no cards'}, "
                f"{len(replicas)} replicas{', fleet ' + fleet_url if fleet_url else ''})")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -43,13 +43,15 @@ class R9kCollector:
 def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.PathLike | None = DEFAULT_STATE_DIR,
                     config_path: str | os.PathLike = DEFAULT_CONFIG_PATH,
                     replicas: list[ReplicaDescription] | None = None, fleet_url: str | None = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, replica_budget_s: float = DEFAULT_BUDGET_S
-                    ) -> R9kCollector:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, replica_budget_s: float = DEFAULT_BUDGET_S,
+                    cards: bool = True) -> R9kCollector:
+    """``cards=False``: replicas only (the fleet's own exporter; each host's exporter has the cards)."""
     errors = ScrapeErrors()
-    return R9kCollector({
-        "cards": CardCollector(errors, host_root, state_dir, config_path),
-        "replicas": ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s),
-    }, errors)
+    parts: dict[str, _Collector] = {}
+    if cards:
+        parts["cards"] = CardCollector(errors, host_root, state_dir, config_path)
+    parts["replicas"] = ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s)
+    return R9kCollector(parts, errors)
 
 
 def build_registry(collector: R9kCollector) -> CollectorRegistry:

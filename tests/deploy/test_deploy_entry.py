@@ -188,3 +188,97 @@ def test_drain_cli_by_card_from_ops_hook_env_and_by_name(env, monkeypatch):
     assert res.exit_code == 2 and "give a REPLICA name or --card BDF" in res.output
     res = runner.invoke(main, ["fleet", "status", "--json", "--url", env.url])
     assert res.exit_code == 0 and json.loads(res.output)["replicas"][0]["name"] == "m-0"
+
+
+def _metrics_text(url: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            resp = http_request(url, timeout_s=2)
+            if resp.status == 200:
+                return resp.text
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not answer within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def test_fleet_exporter_is_supervised_replicas_only_and_off_the_host_exporters_port(tmp_path):
+    """Item 16: the exporter `fleet up` starts was never restarted when it died and took port 9700,
+    the port of the host exporter the README starts; now it runs replicas-only on 9701 and the
+    controller restarts it (with backoff) and reports it in /fleet/status."""
+    import os
+    import signal
+
+    from r9k.deploy.config import load_fleet, parse_fleet
+    from r9k.deploy.controller import FleetController
+    from r9k.devtools.tiny_model import build_config
+    from r9k.monitoring.cli import DEFAULT_PORT as HOST_EXPORTER_PORT
+
+    one_model = '{"models": [{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1073741824}]}'
+    assert parse_fleet(one_model).exporter.port != HOST_EXPORTER_PORT
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_config()))
+    port = free_port()
+    (tmp_path / "fleet.yaml").write_text(json.dumps({
+        "platform": "cpu", "entry": {"port": free_port()}, "exporter": {"port": port},
+        "ops_state_dir": str(tmp_path / "ops"),
+        "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+        "models": [{"name": "tiny", "path": str(model), "kv_cache_memory_bytes": 64 << 20,
+                    "state_dtype": "float32"}]}))
+    controller = FleetController(load_fleet(tmp_path / "fleet.yaml"), tmp_path / "run")
+    controller.run_dir.mkdir()
+    controller._start_exporter()
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = _metrics_text(url)
+        assert 'r9k_exporter_collect_seconds{collector="replicas"}' in text
+        assert "r9k_gpu_" not in text and 'collector="cards"' not in text  # the host exporter's job
+        first = controller.exporter.pid
+        os.kill(first, signal.SIGKILL)
+        controller.exporter.wait(10)
+        controller._supervise_exporter(now=1000.0)  # noticed: restart scheduled after the backoff
+        assert controller.exporter is None and controller.exporter_status()["last_exit"] == -signal.SIGKILL
+        controller._supervise_exporter(now=1000.5)
+        assert controller.exporter is None
+        controller._supervise_exporter(now=1001.0)
+        assert controller.exporter is not None and controller.exporter.pid != first
+        assert 'collector="replicas"' in _metrics_text(url)
+        status = controller.status()["exporter"]
+        assert (status["running"], status["restarts"], status["pid"]) == (True, 1, controller.exporter.pid)
+        controller._supervise_exporter(now=1002.0)  # running: left alone
+        assert controller.exporter_restarts == 1
+    finally:
+        if controller.exporter is not None:
+            controller.exporter.terminate()
+            controller.exporter.wait(10)
+
+
+def test_fleet_check_validates_without_writing_anything(tmp_path, monkeypatch):
+    """Item 16: `fleet check` is validate-only: no model generated into ~/.cache, no run dir, no
+    ops state dir (already so since the fleet stopped generating models; kept as a guard)."""
+    from r9k.devtools.tiny_model import build_config
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_config()))
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({
+        "platform": "cpu", "ops_state_dir": "~/.local/state/r9k/ops",
+        "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+        "models": [{"name": "tiny", "path": str(model), "kv_cache_memory_bytes": 64 << 20}]}))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    result = CliRunner().invoke(main, ["fleet", "check", "--config", str(fleet)])
+    assert result.exit_code == 0 and "ok (1 replicas, 1 cards)" in result.output, result.output
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+    missing = tmp_path / "no-model.yaml"
+    missing.write_text(fleet.read_text().replace(str(model), str(tmp_path / "absent")))
+    result = CliRunner().invoke(main, ["fleet", "check", "--config", str(missing)])
+    assert result.exit_code == 2 and "no config.json there" in result.output
+    assert not (tmp_path / "absent").exists() and not (home / ".cache").exists()

@@ -502,3 +502,27 @@ def test_corrupt_card_state_reads_unhealthy_and_unreadable_not_absent(host):
     assert val(s, "r9k_gpu_state_unreadable", bdf=CARD_A) == 0.0
     assert val(s, "r9k_scrape_errors_total", source="ops_state") == 1
     assert "r9k_gpu_config_drift" in names(s) and ("r9k_gpu_config_drift", frozenset({("bdf", CARD_B)})) not in s
+
+
+def test_readme_commands_parse_and_name_the_real_fleet_status_path():
+    """Item 16: every `r9k exporter` line of the monitoring README parses with the real CLI, and
+    its fleet URLs use the path the entry point serves (the README said /r9k/fleet/status)."""
+    import shlex
+    from pathlib import Path
+
+    from r9k.deploy.entry import EntryPoint
+    from r9k.monitoring.cli import exporter
+
+    readme = (Path(__file__).resolve().parents[2] / "monitoring/README.md").read_text()
+    served = {r.resource.canonical for r in EntryPoint(backend=None).app.router.routes() if r.method == "GET"}
+    checked = 0
+    for text in re.findall(r"r9k exporter[^`\n#]*", readme):
+        args = [a for a in shlex.split(text.strip())[2:] if not a.startswith("[")]  # [--json]: optional
+        exporter.make_context("exporter", list(args))  # unknown options raise here
+        for url in re.findall(r"https?://\S+", text):
+            path = "/" + url.split("/", 3)[3] if url.count("/") >= 3 else "/"
+            if "fleet" in path:
+                assert path in served, (text, served)
+        checked += 1
+    assert checked >= 4
+    assert "/r9k/fleet/status" not in readme and "0.0.0.0)" not in readme
