@@ -157,19 +157,21 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
 
 def capacity_block(model_dir: Path, *, num_spec: int, kv_bytes: int, max_model_len: int,
                    concurrencies: list[int], max_num_seqs: int, platform: str = "cpu",
-                   state_dtype: str | None = "float32") -> dict[str, Any]:
-    """Planner numbers (r9k.capacity): tokens per mode and the share running requests pin."""
+                   state_dtype: str | None = "float32",
+                   prefix_caching: bool = False) -> dict[str, Any]:
+    """Planner numbers (r9k.capacity): tokens per mode and the share running requests pin.
+    `prefix_caching` is what the compared servers run (the demo's Server: off)."""
     shape = cap.HybridModelShape.from_path(model_dir)
     pinned = {}
     for running in sorted(set(concurrencies) | {max_num_seqs}):
         p = cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                      max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                     running=min(running, max_num_seqs))
+                     running=min(running, max_num_seqs), prefix_caching=prefix_caching)
         pinned[running] = {"running": min(running, max_num_seqs),
                            "stock": p.stock.pinned_fraction, "onepage": p.onepage.pinned_fraction}
     p = cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                  max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                 running=max_num_seqs)
+                 running=max_num_seqs, prefix_caching=prefix_caching)
     return {"planner_tokens": {"stock": p.stock.tokens, "onepage": p.onepage.tokens},
             "planner_ratio": p.ratio, "num_blocks": {"stock": p.stock.num_blocks,
                                                      "onepage": p.onepage.num_blocks},

@@ -59,7 +59,9 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
     return capacity.plan(shape, tp=model.tp, num_spec=model.num_spec,
                          kv_bytes_per_rank=model.kv_cache_memory_bytes,
                          max_model_len=model.max_model_len, platform=cfg.platform,
-                         state_dtype=model.state_dtype, running=0)
+                         state_dtype=model.state_dtype, running=0,
+                         # as engine_argv runs it: off for one-page, vLLM's default (on) for stock
+                         prefix_caching=model.gdn_state != "onepage")
 
 
 @dataclass

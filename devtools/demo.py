@@ -103,7 +103,7 @@ def demo(workdir: Path, num_spec: int, kv_mib: int, max_model_len: int, max_toke
     kv_bytes = kv_mib << 20
     plan = cap.plan(cap.HybridModelShape.from_path(model), tp=1, num_spec=num_spec,
                     kv_bytes_per_rank=kv_bytes, max_model_len=max_model_len, platform="cpu",
-                    state_dtype="float32")
+                    state_dtype="float32", prefix_caching=False)  # its servers run it off
     result: dict = {"plan": plan.public(), "modes": {}}
     for mode in ("stock", "onepage"):
         click.echo(f"starting vLLM ({mode} pages, MTP k={num_spec}) ...")

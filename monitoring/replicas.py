@@ -220,7 +220,8 @@ class ReplicaCollector:
         need_shape = reading.layout is None or metrics.num_blocks
         shape = self._shape(desc) if need_shape else None
         if reading.layout is None and shape is not None:
-            reading.layout = self._capacity_layout(shape, desc, reading.page_mode)
+            reading.layout = self._capacity_layout(shape, desc, reading.page_mode,
+                                                   metrics.cache_mode == "align")
         if reading.layout is not None and metrics.num_blocks and metrics.running is not None:
             lay = reading.layout
             reading.pinned = capacity.pinned_fraction(
@@ -229,7 +230,8 @@ class ReplicaCollector:
                 gdn_pages_per_request=lay.gdn_pages_per_request)
         if shape is not None and metrics.num_blocks:
             reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks,
-                                                            metrics.ssm_state_dtype)
+                                                            metrics.ssm_state_dtype,
+                                                            metrics.cache_mode == "align")
         return reading
 
     def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
@@ -288,7 +290,7 @@ class ReplicaCollector:
         return value if isinstance(value, int) and value > 0 else None
 
     def _capacity_layout(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
-                         page_mode: str) -> Layout | None:
+                         page_mode: str, prefix_caching: bool = False) -> Layout | None:
         try:
             capacity.validate(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=1,
                               max_model_len=1, platform=desc.platform, state_dtype=None, running=0)
@@ -298,20 +300,22 @@ class ReplicaCollector:
         # Group counts and pages per request do not depend on memory or length.
         pool = capacity.plan_pool(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=0,
                                   max_model_len=1, platform=desc.platform,
-                                  onepage=page_mode == "onepage", running=0)
+                                  onepage=page_mode == "onepage", running=0,
+                                  prefix_caching=prefix_caching)
         return Layout(page_mode, pool.num_gdn_groups, pool.num_attention_groups,
                       pool.gdn_pages_per_request, "capacity")
 
     def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
-                         page_mode: str, num_blocks: int,
-                         state_dtype: str | None = None) -> dict[str, int] | None:
+                         page_mode: str, num_blocks: int, state_dtype: str | None = None,
+                         prefix_caching: bool = False) -> dict[str, int] | None:
         max_len = self._max_model_len(desc)
         if max_len is None:
             return None
         try:
             result = capacity.live_plan(shape, num_blocks=num_blocks, tp=desc.tp, num_spec=desc.num_spec,
                                         onepage=page_mode == "onepage", max_model_len=max_len,
-                                        platform=desc.platform, state_dtype=state_dtype)
+                                        platform=desc.platform, state_dtype=state_dtype,
+                                        prefix_caching=prefix_caching)
         except capacity.CapacityInputError:
             self._count("model_config")
             return None

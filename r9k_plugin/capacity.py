@@ -12,7 +12,12 @@ and a two-slot record of last step's candidate rows):
 - layer grouping: every group has the same layer count (`_get_kv_cache_groups_uniform_page_size`
   in `v1/core/kv_cache_utils.py`); the MTP drafter's attention layers join the attention type;
 - `num_blocks = kv_bytes // (group_size * page)`; blocks per request at max_model_len;
-  tokens = int(num_blocks / blocks_per_request * max_model_len) as vLLM logs it.
+  tokens = int(num_blocks / blocks_per_request * max_model_len) as vLLM logs it;
+- prefix caching: vLLM turns it on by default for hybrid models, which sets
+  `mamba_cache_mode="align"`: GDN pages per request per group become 2 + k for stock (a running
+  page, k scratch pages, the previous page kept as copy source; `MambaSpec.max_memory_usage_bytes`
+  in `v1/kv_cache_interface.py`) and 2 for one-page; the attention block size is aligned exactly as
+  without it (`_align_hybrid_block_size` runs the same; `mamba_block_size` is then set to it).
 
 Pure Python: imported by the plugin (page layout), the CLI, the exporter and benchmarks.
 """
@@ -42,6 +47,24 @@ RECORD_SLOTS = 2
 FLAG_WORDS = 4
 FLAG_COUNT, FLAG_SLOT, FLAG_DONE = 0, 1, 2
 FLAG_DTYPE, FLAG_WORD_BYTES = "int32", 4
+# vLLM's default for hybrid models (config/cache.py enable_prefix_caching=True; the mamba cache
+# mode follows it: align when on, none when off). The CLI assumes it unless told otherwise.
+VLLM_DEFAULT_PREFIX_CACHING = True
+# GDN pages a request holds per group besides the k speculative ones: none 1 (the running page),
+# align 2 (plus the previous page); one-page keeps no speculative pages.
+GDN_BASE_PAGES = {"none": 1, "align": 2}
+
+
+def mamba_cache_mode(prefix_caching: bool) -> str:
+    """vLLM's mamba_cache_mode for a hybrid model with prefix caching on or off."""
+    return "align" if prefix_caching else "none"
+
+
+def gdn_pages_per_request(num_spec: int, onepage: bool, prefix_caching: bool) -> int:
+    """GDN state pages one request holds per GDN group (vLLM's MambaSpec.max_memory_usage_bytes
+    over the page size): 1 + k / 2 + k for stock, 1 / 2 for one-page (with k > 0)."""
+    spec_pages = 0 if (onepage and num_spec > 0) else num_spec
+    return GDN_BASE_PAGES[mamba_cache_mode(prefix_caching)] + spec_pages
 
 
 def record_row_elements(num_k_heads: int, num_v_heads: int, head_k_dim: int,
@@ -240,13 +263,14 @@ def gdn_page_layout(shape: HybridModelShape, tp: int, num_spec: int, onepage: bo
 @dataclass
 class PoolPlan:
     mode: str                       # "stock" | "onepage"
+    cache_mode: str                 # vLLM's mamba_cache_mode: "none" | "align" (prefix caching)
     gdn_page_bytes: int             # unpadded GDN page
     page_bytes: int                 # the shared page size (attention block page; GDN padded to it)
     attention_block_size: int       # tokens per attention block
     group_size: int                 # layers per KV cache group
     num_gdn_groups: int
     num_attention_groups: int
-    gdn_pages_per_request: int      # per GDN group: 1 + k (stock) or 1 (one-page)
+    gdn_pages_per_request: int      # per GDN group: 1 + k / 2 + k (stock), 1 / 2 (one-page)
     num_blocks: int
     blocks_per_request: int
     tokens: int                     # as vLLM logs "KV cache size: N tokens"
@@ -270,6 +294,8 @@ class CapacityPlan:
     max_model_len: int
     state_dtype: str
     platform: str
+    prefix_caching: bool
+    cache_mode: str                 # the mamba_cache_mode both pools assume
     stock: PoolPlan
     onepage: PoolPlan
     ratio: float                    # onepage.tokens / stock.tokens
@@ -303,7 +329,8 @@ def layer_grouping(num_gdn: int, num_attn: int) -> tuple[int, int, int]:
 
 def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
               max_model_len: int, platform: str = "gpu", onepage: bool,
-              state_dtype: str | None = None, running: int = 8) -> PoolPlan:
+              state_dtype: str | None = None, running: int = 8,
+              prefix_caching: bool = False) -> PoolPlan:
     layout = gdn_page_layout(shape, tp, num_spec, onepage, state_dtype)
     bpt = _attention_bytes_per_token(shape, tp)
     block = attention_block_size(layout.page_bytes, bpt, PLATFORM_BLOCK_ALIGN_TOKENS[platform])
@@ -312,13 +339,14 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
     group_size, n_gdn_groups, n_attn_groups = layer_grouping(
         shape.num_gdn_layers, shape.num_attention_layers + draft_attn)
     num_blocks = kv_bytes_per_rank // (group_size * page)
-    gdn_pages = 1 if (onepage and num_spec > 0) else 1 + num_spec
+    gdn_pages = gdn_pages_per_request(num_spec, onepage, prefix_caching)
     blocks_per_request = n_gdn_groups * gdn_pages + n_attn_groups * math.ceil(max_model_len / block)
     concurrency = num_blocks / blocks_per_request
     gdn_pinned = running * n_gdn_groups * gdn_pages
     attn_pinned = running * n_attn_groups
     return PoolPlan(
         mode="onepage" if onepage else "stock",
+        cache_mode=mamba_cache_mode(prefix_caching),
         gdn_page_bytes=layout.page_bytes,
         page_bytes=page,
         attention_block_size=block,
@@ -372,14 +400,18 @@ def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_ra
 
 def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
          max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
-         running: int = 8) -> CapacityPlan:
-    """Stock and one-page pools side by side for one replica configuration."""
+         running: int = 8, prefix_caching: bool = False) -> CapacityPlan:
+    """Stock and one-page pools side by side for one replica configuration.
+
+    `prefix_caching` is the engine's setting (mamba_cache_mode align when on). Library callers
+    describe a given engine and pass its mode; `r9k capacity` assumes vLLM's default for hybrid
+    models (VLLM_DEFAULT_PREFIX_CACHING) unless told otherwise."""
     validate(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
              max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
              running=running)
     kw = dict(tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
               max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-              running=running)
+              running=running, prefix_caching=prefix_caching)
     stock = plan_pool(shape, onepage=False, **kw)
     onepage = plan_pool(shape, onepage=True, **kw)
     if stock.num_blocks == 0 or onepage.num_blocks == 0:
@@ -389,12 +421,18 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
     notes = []
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")
-    notes.append("one-page needs prefix caching off (--no-enable-prefix-caching); with it on, "
-                 "vLLM keeps stock pages in 'align' mode")
+    if prefix_caching:
+        notes.append("prefix caching on (mamba_cache_mode='align'): the plugin keeps stock pages "
+                     "in this mode today; the one-page column is the planner's prediction for "
+                     "one-page in align (2 pages per GDN group), not a served configuration")
+    else:
+        notes.append("prefix caching off (mamba_cache_mode='none'): one-page applies; vLLM's "
+                     "default for hybrids is on, so serve with --no-enable-prefix-caching")
     return CapacityPlan(
         model=shape.name, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
         max_model_len=max_model_len, state_dtype=shape.state_dtype(state_dtype),
-        platform=platform, stock=stock, onepage=onepage,
+        platform=platform, prefix_caching=prefix_caching,
+        cache_mode=mamba_cache_mode(prefix_caching), stock=stock, onepage=onepage,
         ratio=onepage.tokens / stock.tokens if stock.tokens else math.inf, notes=notes)
 
 
@@ -410,7 +448,7 @@ def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
 
 def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: int, onepage: bool,
               max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
-              running: int = 0) -> CapacityPlan:
+              running: int = 0, prefix_caching: bool = False) -> CapacityPlan:
     """Stock and one-page plans of a running replica, from the block count its engine reports.
 
     The engine's KV memory per rank is recovered as num_blocks x group_size x page of the mode it
@@ -418,8 +456,8 @@ def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: in
     """
     probe = plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
                       max_model_len=max_model_len, platform=platform, onepage=onepage,
-                      state_dtype=state_dtype, running=running)
+                      state_dtype=state_dtype, running=running, prefix_caching=prefix_caching)
     kv_bytes = num_blocks * probe.group_size * probe.page_bytes
     return plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                 max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                running=running)
+                running=running, prefix_caching=prefix_caching)

