@@ -92,6 +92,13 @@ def _acceptance_hist(llm, k: int) -> list[int]:
     return [drafts - per_pos[0]] + [per_pos[i - 1] - per_pos[i] for i in range(1, k)] + [per_pos[k - 1]]
 
 
+def _prefix_cache_counts(llm) -> dict[str, int]:
+    """Tokens looked up in and found in the prefix cache (vllm:prefix_cache_queries / _hits)."""
+    m = {x.name: x for x in llm.get_metrics()}
+    return {key: int(m[f"vllm:prefix_cache_{key}"].value) if f"vllm:prefix_cache_{key}" in m
+            else 0 for key in ("queries", "hits")}
+
+
 def _run_batch(llm, sc) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -151,6 +158,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
+        "prefix_cache": _prefix_cache_counts(llm),
     }))
 
 
