@@ -6,7 +6,6 @@ Checks that need the host inventory (cards that exist, TP that fits one host) ar
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import shlex
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
 
 from r9k import capacity
 from r9k.config_errors import validation_message
+from r9k.http_client import is_loopback
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
 DEFAULT_CARD_RESOURCE = "R9700"
@@ -32,13 +32,6 @@ _OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-m
 
 class FleetConfigError(ValueError):
     """Fleet file refused; nothing was started."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class _Strict(BaseModel):

@@ -53,7 +53,8 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
              timeout_s: float, replica_budget_s: float, cards: bool, once: bool, as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
-    from r9k.monitoring.web_config import WebConfigError, is_loopback, load_web_config
+    from r9k.http_client import is_loopback
+    from r9k.monitoring.web_config import WebConfigError, load_web_config
     from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, load_replica_file, parse_replica_spec
 
     if not 0 <= port <= 65535:

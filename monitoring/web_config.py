@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import os
 import socket
 import ssl
@@ -151,13 +150,6 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def handle_error(self, request, client_address) -> None:
         pass  # a failed handshake or a client gone mid-answer: that client's problem, not a traceback
-
-
-def is_loopback(listen: str) -> bool:
-    try:
-        return ipaddress.ip_address(listen.strip("[]")).is_loopback
-    except ValueError:
-        return listen == "localhost"
 
 
 def serve(registry: CollectorRegistry, port: int, listen: str = "127.0.0.1",

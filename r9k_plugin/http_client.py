@@ -6,6 +6,7 @@ the fleet's probes, load generators) use aiohttp. Nothing else speaks HTTP.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import urllib.error
 import urllib.request
@@ -57,3 +58,12 @@ def http_get(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | Non
     if resp.status != 200:
         raise HttpUnreachable(f"{url}: HTTP {resp.status}: {resp.text[:200]}")
     return resp.body
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, ``localhost``): what the
+    entry point and the exporter may serve on without a key or auth."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
