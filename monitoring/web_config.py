@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib.util
 import os
 import socket
 import ssl
@@ -72,12 +73,9 @@ def load_web_config(path: str | os.PathLike) -> tuple[WebConfig, ssl.SSLContext 
         if not hashed.startswith(("$2a$", "$2b$", "$2y$")):
             raise WebConfigError(f"{path}: basic_auth_users.{user}: expected a bcrypt hash ($2b$...), "
                                  "not a password")
-    if config.basic_auth_users:
-        try:
-            import bcrypt  # noqa: F401
-        except ImportError:
-            raise WebConfigError(f"{path}: basic_auth_users needs the bcrypt package "
-                                 "(pip install 'r9700-stack[auth]')") from None
+    if config.basic_auth_users and importlib.util.find_spec("bcrypt") is None:
+        raise WebConfigError(f"{path}: basic_auth_users needs the bcrypt package "
+                             "(pip install 'r9700-stack[auth]')")
     return config, _tls_context(config.tls_server_config, path)
 
 
