@@ -470,7 +470,7 @@ def test_expected_and_present_cards_name_the_missing_one(host, tmp_path):
     assert (val(s, "r9k_gpu_expected_cards"), val(s, "r9k_gpu_present_cards")) == (1.0, 0.0)
 
 
-def test_unattributed_host_faults_are_exported_by_type(host):
+def test_unattributed_host_faults_are_exported_by_type(host, tmp_path):
     """Item 8: faults the watcher could not pin on a card are host-level counters, 0 from the start."""
     from r9k.ops.state import host_events_path, record_host_event
 
@@ -484,6 +484,12 @@ def test_unattributed_host_faults_are_exported_by_type(host):
     assert val(s, "r9k_host_unattributed_faults_total", event="mes_timeout") == 2.0
     assert val(s, "r9k_host_unattributed_faults_total", event="ring_timeout") == 0.0
     assert val(s, "r9k_gpu_events_total", bdf=CARD_A, event="mes_timeout") == 0.0  # no card blamed
+    # Through the real watcher: a ring timeout that names no card is the host's, not a card's.
+    record_kernel_log(root, state, tmp_path / "kern-noaddr.log",
+                      ["[  500.000001] [drm] *ERROR* ring gfx_0.0.0 timeout, signaled seq=1, emitted seq=2"])
+    s = scrape(registry)
+    assert val(s, "r9k_host_unattributed_faults_total", event="ring_timeout") == 1.0
+    assert {val(s, "r9k_gpu_events_total", bdf=b, event="ring_timeout") for b in (CARD_A, CARD_B)} == {0.0}
     host_events_path(state).write_text("{torn")
     s = scrape(registry)
     assert "r9k_host_unattributed_faults_total" not in names(s)  # unknown, not 0
