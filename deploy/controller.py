@@ -102,8 +102,7 @@ class FleetController(Backend):
     def ops_unhealthy(self) -> dict[str, str]:
         from r9k.ops.state import read_card_states
 
-        return {b: s.unhealthy_reason or "unhealthy" for b, s in read_card_states(self.cfg.ops_state_dir).items()
-                if not s.healthy}
+        return read_card_states(self.cfg.ops_state_dir).unhealthy()  # corrupt card files count as fenced
 
     async def plan(self) -> dict[str, Assignment]:
         """Validate against the cluster and place every replica; raises before anything starts."""

@@ -145,7 +145,8 @@ def page_mode(vllm_config: Any) -> PageMode:
             layout = f"k|v|a|b rows={rows} slots={slots} width={width} {page.record_dtype}"
         pool = capacity.plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
                                   max_model_len=1, platform=platform, onepage=onepage,
-                                  state_dtype=state_dtype, running=0)
+                                  state_dtype=state_dtype, running=0,
+                                  prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
         groups = (pool.num_gdn_groups, pool.num_attention_groups, pool.gdn_pages_per_request)
     except (capacity.CapacityInputError, AttributeError, KeyError):
         pass  # a config the planner cannot read (e.g. an unknown layout): the mode still holds

@@ -72,6 +72,8 @@ def test_stock_series_says_why(model, monkeypatch):
     labels = _exported(_config(model, prefix_caching=True))
     assert labels["page_mode"] == "stock" and labels["cache_mode"] == "align"
     assert labels["reason"].startswith("prefix caching is on (mamba_cache_mode='align')")
+    # align keeps a running page and a boundary page besides the k candidate pages
+    assert labels["gdn_pages_per_request"] == str(2 + K)
 
 
 def test_version_mismatch_series(model, monkeypatch):

@@ -57,8 +57,10 @@ def stand_in(tmp_path):
         server = ServerProcess.start([sys.executable, str(path), str(port), on_int], tmp_path / "server.log",
                                      env=dict(os.environ, STAND_IN_MARK="1"))
         started.append(server)
-        deadline = time.monotonic() + 20
-        while "stand-in up" not in server.read_log() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # a loaded CI box can take a while to start Python
+        while "stand-in up" not in server.read_log():
+            # signals sent before the stand-in installed its handlers would test nothing
+            assert time.monotonic() < deadline, f"stand-in never came up: {server.read_log()!r}"
             time.sleep(0.05)
         return server
 
