@@ -113,25 +113,68 @@ def replay_accepted_rows(backend: GdnBackend, heads: GdnHeads, state_pool: torch
     accepted): the flag tells the two apart, a prefill leaves no live record.
     """
     pages_l = pages.long()
-    live_count = flag_pool[pages_l, FLAG_COUNT]
-    n_replay = torch.minimum(num_accepted.to(live_count.dtype), live_count).clamp_min(0)
-    n_replay = torch.where(pages_l == NULL_PAGE, torch.zeros_like(n_replay), n_replay)
+    n_replay = _rows_to_replay(flag_pool, pages_l, num_accepted)
     todo = (n_replay > 0).nonzero().flatten()
     if todo.numel() == 0:
         return n_replay
     sel_pages = pages_l[todo]
-    dev = pages_l.device
-    slots = flag_pool[sel_pages, FLAG_SLOT].long()
-    counts = n_replay[todo].long()
-    # gather the first `count` rows of each live slot, sequence after sequence
-    row_seq = torch.repeat_interleave(torch.arange(todo.numel(), device=dev), counts)
-    row_pos = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
-        torch.cumsum(counts, 0) - counts, counts)
-    rows = record_pool[sel_pages[row_seq], slots[row_seq], row_pos]
-    k, v, a, b = unpack_record_rows(rows, heads)
-    cu = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    k, v, a, b, cu = _live_rows(record_pool, flag_pool, sel_pages, n_replay[todo].long(), heads)
     backend.replay(state_pool, sel_pages.to(torch.int32), k, v, a, b, cu)
     return n_replay
+
+
+def _rows_to_replay(flag_pool: torch.Tensor, pages_l: torch.Tensor,
+                    wanted: torch.Tensor) -> torch.Tensor:
+    """min(wanted, live row count) per page; 0 for the null page and for pages without a record."""
+    live_count = flag_pool[pages_l, FLAG_COUNT]
+    n = torch.minimum(wanted.to(live_count.dtype), live_count).clamp_min(0)
+    return torch.where(pages_l == NULL_PAGE, torch.zeros_like(n), n)
+
+
+def _live_rows(record_pool, flag_pool, pages_l, counts, heads):
+    """The first `count` rows of each page's live slot, page after page: k, v, a, b, cu_seqlens."""
+    dev = pages_l.device
+    slots = flag_pool[pages_l, FLAG_SLOT].long()
+    row_seq = torch.repeat_interleave(torch.arange(pages_l.numel(), device=dev), counts)
+    row_pos = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts)
+    rows = record_pool[pages_l[row_seq], slots[row_seq], row_pos]
+    k, v, a, b = unpack_record_rows(rows, heads)
+    return k, v, a, b, F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+
+
+def replay_into(backend: GdnBackend, heads: GdnHeads, state_pool: torch.Tensor,
+                record_pool: torch.Tensor, flag_pool: torch.Tensor, src_pages: torch.Tensor,
+                dst_pages: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    """Prefix caching's state copies (align mode) on one-page pages; returns rows replayed [N].
+
+    Stock copies the state after candidate row `num_rows - 1` of the last verify (its slot
+    column `src + num_rows - 1`) into page `dst`: before the forward when a request's running
+    page moves (pre-copy) and after sampling when accepted tokens reach a block end (boundary
+    copy; the block is then cached). One-page has no such slot: it advances src's checkpoint by
+    the first `num_rows` rows of src's live record (none if src holds no live record: its
+    checkpoint is that state already) and stores the result once into dst, then clears dst's
+    flag, so a copied or cached page holds a checkpoint and no live record. src == dst works in
+    place; src keeps its record otherwise. Pairs touching the null page are skipped.
+    """
+    src_l, dst_l = src_pages.long(), dst_pages.long()
+    keep = (src_l != NULL_PAGE) & (dst_l != NULL_PAGE)
+    src_l, dst_l = src_l[keep], dst_l[keep]
+    n_replay = _rows_to_replay(flag_pool, src_l, num_rows[keep])
+    todo = (n_replay > 0).nonzero().flatten()
+    rows = (_live_rows(record_pool, flag_pool, src_l[todo], n_replay[todo].long(), heads)
+            if todo.numel() else None)  # read before dst's flag (maybe src's own) is cleared
+    moved = src_l != dst_l
+    if bool(moved.any()):
+        state_pool[dst_l[moved]] = state_pool[src_l[moved]]
+    if rows is not None:
+        k, v, a, b, cu = rows
+        backend.replay(state_pool, dst_l[todo].to(torch.int32), k, v, a, b, cu)
+    if dst_l.numel():
+        flag_pool[dst_l] = 0
+    out = torch.zeros_like(keep, dtype=n_replay.dtype)
+    out[keep] = n_replay
+    return out
 
 
 def write_record(record_pool: torch.Tensor, flag_pool: torch.Tensor, pages: torch.Tensor,
