@@ -86,7 +86,7 @@ class CapacityInputError(ValueError):
 
 @dataclass(frozen=True)
 class HybridModelShape:
-    """The config fields the accounting needs (Qwen3-Next / Qwen3.5 naming)."""
+    """The config fields the accounting needs (Qwen3-Next / Qwen3.5 / Qwen4Exp naming)."""
 
     name: str
     num_gdn_layers: int
@@ -102,6 +102,13 @@ class HybridModelShape:
     dtype: str = "bfloat16"
     mamba_ssm_dtype: str | None = None
     num_mtp_layers: int = 1
+    # Qwen4Exp's PLE short-conv layers (0 elsewhere): one replicated conv state per layer, of
+    # hc_count x hidden_size channels and (ple_conv_kernel_size - 1) x ngram_size columns.
+    num_ple_layers: int = 0
+    hidden_size: int = 0
+    hc_count: int = 0
+    ple_conv_kernel_size: int = 0
+    ngram_size: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "config.json") -> "HybridModelShape":
@@ -115,6 +122,13 @@ class HybridModelShape:
                                for i in range(n_layers)]
             n_gdn = sum(1 for t in layer_types[:n_layers] if t == "linear_attention")
             n_heads = int(text["num_attention_heads"])
+            qwen4exp = str(text.get("model_type", "")).startswith("qwen4_exp") or "hc_count" in text
+            ple_ids = set(text.get("ple_layer_ids") or ()) if qwen4exp else set()
+            if any(not 1 <= int(i) <= n_layers or layer_types[int(i) - 1] != "linear_attention"
+                   for i in ple_ids):
+                raise CapacityInputError(
+                    f"{name}: ple_layer_ids {sorted(ple_ids)}: expected one-indexed ids of "
+                    f"linear_attention layers in 1..{n_layers}")
             dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
                         or "bfloat16")
             return cls(
@@ -133,11 +147,18 @@ class HybridModelShape:
                 mamba_ssm_dtype=text.get("mamba_ssm_dtype") or cfg.get("mamba_ssm_dtype"),
                 num_mtp_layers=int(text.get("num_nextn_predict_layers")
                                    or text.get("mtp_num_hidden_layers") or 1),
+                num_ple_layers=len(ple_ids),
+                hidden_size=int(text.get("hidden_size") or 0),
+                hc_count=int(text.get("hc_count") or 4) if qwen4exp else 0,
+                ple_conv_kernel_size=int(text.get("ple_conv_kernel_size") or 4) if qwen4exp else 0,
+                ngram_size=int(text.get("ngram_size") or 3) if qwen4exp else 0,
             )
+        except CapacityInputError:
+            raise
         except KeyError as exc:
             raise CapacityInputError(
                 f"{name}: missing field {exc.args[0]!r}; expected a Qwen3-Next/Qwen3.5 hybrid "
-                "config (num_hidden_layers, linear_num_key_heads, ...)") from None
+                "or Qwen4Exp config (num_hidden_layers, linear_num_key_heads, ...)") from None
         except (TypeError, ValueError) as exc:
             raise CapacityInputError(f"{name}: malformed field value ({exc})") from None
 
@@ -184,6 +205,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
         "num_nextn_predict_layers": 1,
+    },
+    # Flash-Next (Qwen4Exp): 48 layers, 36 GDN + 12 QSA attention (interval 4), MTP; the head
+    # counts, head dims, hidden size, hc_count and PLE conv are transformers' Qwen4ExpTextConfig
+    # defaults (no public checkpoint config); one PLE layer (the layer id does not change pages).
+    "flash-next": {
+        "model_type": "qwen4_exp_text", "num_hidden_layers": 48, "full_attention_interval": 4,
+        "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1, "hc_count": 4,
+        "ple_layer_ids": [1], "ple_conv_kernel_size": 4, "ngram_size": 3,
     },
     "tiny": TINY_SHAPE,
 }
@@ -258,6 +290,19 @@ def gdn_page_layout(shape: HybridModelShape, tp: int, num_spec: int, onepage: bo
     )
 
 
+def ple_page_bytes(shape: HybridModelShape, num_spec: int) -> int:
+    """Qwen4Exp's PLE short-conv page (0 for other models): a conv window of hc_count x hidden
+    channels, (kernel - 1) x ngram_size + k columns, in the model dtype, the same on every TP
+    rank (`get_ple_mamba_state_shape_from_config`: tp_world_size=1). Stock in both page modes:
+    one-page changes GDN pages only. vLLM's block alignment takes the larger of this and the
+    GDN page even when the model has no PLE layer (`get_mamba_specs_from_config` always returns
+    both specs), so it is sized for every Qwen4Exp shape."""
+    if not shape.hc_count:
+        return 0
+    conv_columns = (shape.ple_conv_kernel_size - 1) * shape.ngram_size + num_spec
+    return shape.hc_count * shape.hidden_size * conv_columns * DTYPE_BYTES[shape.dtype]
+
+
 # --- pool accounting ---------------------------------------------------------------------------
 
 @dataclass
@@ -265,12 +310,15 @@ class PoolPlan:
     mode: str                       # "stock" | "onepage"
     cache_mode: str                 # vLLM's mamba_cache_mode: "none" | "align" (prefix caching)
     gdn_page_bytes: int             # unpadded GDN page
+    ple_page_bytes: int             # unpadded PLE page (Qwen4Exp, with or without PLE layers)
     page_bytes: int                 # the shared page size (attention block page; GDN padded to it)
     attention_block_size: int       # tokens per attention block
     group_size: int                 # layers per KV cache group
     num_gdn_groups: int
     num_attention_groups: int
+    num_ple_groups: int
     gdn_pages_per_request: int      # per GDN group: 1 + k / 2 + k (stock), 1 / 2 (one-page)
+    ple_pages_per_request: int      # per PLE group: 1 + k / 2 + k in both modes (0: no PLE)
     num_blocks: int
     blocks_per_request: int
     tokens: int                     # as vLLM logs "KV cache size: N tokens"
@@ -280,6 +328,7 @@ class PoolPlan:
     pinned_fraction: float          # pinned_blocks / num_blocks (may exceed 1: does not fit)
     gdn_pinned_fraction: float      # the GDN state-page part of pinned_fraction
     attention_pinned_fraction: float
+    ple_pinned_fraction: float      # the PLE state-page part (Qwen4Exp)
 
     def public(self) -> dict[str, Any]:
         return asdict(self)
@@ -318,13 +367,15 @@ def attention_block_size(gdn_page_bytes: int, attn_bytes_per_token: int, align_t
     return align_tokens * math.ceil(gdn_page_bytes / (align_tokens * attn_bytes_per_token))
 
 
-def layer_grouping(num_gdn: int, num_attn: int) -> tuple[int, int, int]:
-    """(group_size, gdn_groups, attention_groups) as vLLM groups a uniform-page hybrid model."""
-    counts = [c for c in (num_gdn, num_attn) if c > 0]
+def layer_grouping(num_gdn: int, num_attn: int, num_ple: int = 0) -> tuple[int, int, int, int]:
+    """(group_size, gdn_groups, attention_groups, ple_groups) as vLLM groups a uniform-page
+    hybrid model: one layer type per spec (GDN, attention, PLE), every group the same size."""
+    counts = [c for c in (num_gdn, num_attn, num_ple) if c > 0]
     group_size = min(counts)
     if max(counts) < group_size * 1.5:
         group_size = max(counts)
-    return group_size, math.ceil(num_gdn / group_size), math.ceil(num_attn / group_size)
+    return (group_size, math.ceil(num_gdn / group_size), math.ceil(num_attn / group_size),
+            math.ceil(num_ple / group_size))
 
 
 def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
@@ -332,37 +383,48 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
               state_dtype: str | None = None, running: int = 8,
               prefix_caching: bool = False) -> PoolPlan:
     layout = gdn_page_layout(shape, tp, num_spec, onepage, state_dtype)
+    ple_page = ple_page_bytes(shape, num_spec)
     bpt = _attention_bytes_per_token(shape, tp)
-    block = attention_block_size(layout.page_bytes, bpt, PLATFORM_BLOCK_ALIGN_TOKENS[platform])
+    # the platform aligns to the larger mamba page (Qwen4Exp: GDN or the replicated PLE page)
+    block = attention_block_size(max(layout.page_bytes, ple_page), bpt,
+                                 PLATFORM_BLOCK_ALIGN_TOKENS[platform])
     page = block * bpt
     draft_attn = shape.num_mtp_layers if num_spec > 0 else 0
-    group_size, n_gdn_groups, n_attn_groups = layer_grouping(
-        shape.num_gdn_layers, shape.num_attention_layers + draft_attn)
+    group_size, n_gdn_groups, n_attn_groups, n_ple_groups = layer_grouping(
+        shape.num_gdn_layers, shape.num_attention_layers + draft_attn, shape.num_ple_layers)
     num_blocks = kv_bytes_per_rank // (group_size * page)
     gdn_pages = gdn_pages_per_request(num_spec, onepage, prefix_caching)
-    blocks_per_request = n_gdn_groups * gdn_pages + n_attn_groups * math.ceil(max_model_len / block)
+    ple_pages = gdn_pages_per_request(num_spec, False, prefix_caching) if n_ple_groups else 0
+    blocks_per_request = (n_gdn_groups * gdn_pages + n_ple_groups * ple_pages
+                          + n_attn_groups * math.ceil(max_model_len / block))
     concurrency = num_blocks / blocks_per_request
     gdn_pinned = running * n_gdn_groups * gdn_pages
+    ple_pinned = running * n_ple_groups * ple_pages
     attn_pinned = running * n_attn_groups
+    pinned = gdn_pinned + ple_pinned + attn_pinned
     return PoolPlan(
         mode="onepage" if onepage else "stock",
         cache_mode=mamba_cache_mode(prefix_caching),
         gdn_page_bytes=layout.page_bytes,
+        ple_page_bytes=ple_page,
         page_bytes=page,
         attention_block_size=block,
         group_size=group_size,
         num_gdn_groups=n_gdn_groups,
         num_attention_groups=n_attn_groups,
+        num_ple_groups=n_ple_groups,
         gdn_pages_per_request=gdn_pages,
+        ple_pages_per_request=ple_pages,
         num_blocks=num_blocks,
         blocks_per_request=blocks_per_request,
         tokens=int(concurrency * max_model_len),
         max_concurrency=concurrency,
         running=running,
-        pinned_blocks=gdn_pinned + attn_pinned,
-        pinned_fraction=(gdn_pinned + attn_pinned) / num_blocks if num_blocks else math.inf,
+        pinned_blocks=pinned,
+        pinned_fraction=pinned / num_blocks if num_blocks else math.inf,
         gdn_pinned_fraction=gdn_pinned / num_blocks if num_blocks else math.inf,
         attention_pinned_fraction=attn_pinned / num_blocks if num_blocks else math.inf,
+        ple_pinned_fraction=ple_pinned / num_blocks if num_blocks else math.inf,
     )
 
 
@@ -437,13 +499,16 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
 
 
 def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
-                    num_attention_groups: int, gdn_pages_per_request: int) -> dict[str, float]:
-    """Share of a live pool pinned by running requests (the exporter's view of a replica)."""
+                    num_attention_groups: int, gdn_pages_per_request: int,
+                    num_ple_groups: int = 0, ple_pages_per_request: int = 0) -> dict[str, float]:
+    """Share of a live pool pinned by running requests (the exporter's view of a replica);
+    `total` includes Qwen4Exp's PLE pages when their groups are given."""
     if num_blocks <= 0:
-        return {"gdn": 0.0, "attention": 0.0, "total": 0.0}
+        return {"gdn": 0.0, "attention": 0.0, "ple": 0.0, "total": 0.0}
     gdn = num_running * num_gdn_groups * gdn_pages_per_request / num_blocks
+    ple = num_running * num_ple_groups * ple_pages_per_request / num_blocks
     attn = num_running * num_attention_groups / num_blocks
-    return {"gdn": gdn, "attention": attn, "total": gdn + attn}
+    return {"gdn": gdn, "attention": attn, "ple": ple, "total": gdn + ple + attn}
 
 
 def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: int, onepage: bool,
