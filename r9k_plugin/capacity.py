@@ -11,7 +11,11 @@ and a two-slot record of last step's candidate rows):
   `_align_hybrid_block_size`);
 - layer grouping: every group has the same layer count (`_get_kv_cache_groups_uniform_page_size`
   in `v1/core/kv_cache_utils.py`); the MTP drafter's attention layers join the attention type;
-- `num_blocks = kv_bytes // (group_size * page)`; blocks per request at max_model_len;
+- Qwen4Exp: a replicated PLE short-conv page beside the GDN page (the block is aligned to the
+  larger); with the QSA indexer, rings and compressed keys of other page sizes, which vLLM packs
+  side by side in each block (`_get_packed_kv_cache_groups`) instead of grouping uniformly;
+- `num_blocks = kv_bytes // (group_size * page)` (packed: // the widest group's bytes);
+  blocks per request at max_model_len;
   tokens = int(num_blocks / blocks_per_request * max_model_len) as vLLM logs it;
 - prefix caching: vLLM turns it on by default for hybrid models, which sets
   `mamba_cache_mode="align"`: GDN pages per request per group become 2 + k for stock (a running
@@ -109,6 +113,10 @@ class HybridModelShape:
     hc_count: int = 0
     ple_conv_kernel_size: int = 0
     ngram_size: int = 0
+    # Qwen4Exp's QSA indexer (0: none; `indexer_n_heads` unset): each QSA layer keeps a ring of
+    # raw index keys and one compressed key per compress_ratio tokens beside its KV cache.
+    indexer_head_dim: int = 0
+    indexer_compress_ratio: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "config.json") -> "HybridModelShape":
@@ -124,6 +132,7 @@ class HybridModelShape:
             n_heads = int(text["num_attention_heads"])
             qwen4exp = str(text.get("model_type", "")).startswith("qwen4_exp") or "hc_count" in text
             ple_ids = set(text.get("ple_layer_ids") or ()) if qwen4exp else set()
+            qsa = qwen4exp and text.get("indexer_n_heads") is not None
             if any(not 1 <= int(i) <= n_layers or layer_types[int(i) - 1] != "linear_attention"
                    for i in ple_ids):
                 raise CapacityInputError(
@@ -152,6 +161,8 @@ class HybridModelShape:
                 hc_count=int(text.get("hc_count") or 4) if qwen4exp else 0,
                 ple_conv_kernel_size=int(text.get("ple_conv_kernel_size") or 4) if qwen4exp else 0,
                 ngram_size=int(text.get("ngram_size") or 3) if qwen4exp else 0,
+                indexer_head_dim=int(text["indexer_head_dim"]) if qsa else 0,
+                indexer_compress_ratio=int(text["indexer_compress_ratio"]) if qsa else 0,
             )
         except CapacityInputError:
             raise
@@ -303,6 +314,21 @@ def ple_page_bytes(shape: HybridModelShape, num_spec: int) -> int:
     return shape.hc_count * shape.hidden_size * conv_columns * DTYPE_BYTES[shape.dtype]
 
 
+def indexer_ring_tokens(shape: HybridModelShape, num_spec: int) -> int:
+    """Rows of a QSA layer's raw-key ring: the open group plus k speculative rows, in whole
+    groups (`QSAKeyStateCache.get_kv_cache_spec`); the attention block must be a multiple."""
+    ratio = shape.indexer_compress_ratio
+    return ratio * math.ceil((ratio + num_spec) / ratio)
+
+
+def indexer_page_bytes(shape: HybridModelShape, num_spec: int, block_tokens: int) -> tuple[int, int]:
+    """(raw-key ring page, compressed-key page) of one QSA layer, bf16 keys of one head
+    (`QSAKeyStateCache`, `QSACompressedKeyCache`: one row per compress_ratio tokens)."""
+    key_bytes = shape.indexer_head_dim * DTYPE_BYTES["bfloat16"]
+    return (indexer_ring_tokens(shape, num_spec) * key_bytes,
+            block_tokens // shape.indexer_compress_ratio * key_bytes)
+
+
 # --- pool accounting ---------------------------------------------------------------------------
 
 @dataclass
@@ -313,21 +339,25 @@ class PoolPlan:
     ple_page_bytes: int             # unpadded PLE page (Qwen4Exp, with or without PLE layers)
     page_bytes: int                 # the shared page size (attention block page; GDN padded to it)
     attention_block_size: int       # tokens per attention block
-    group_size: int                 # layers per KV cache group
+    block_bytes: int                # bytes one pool block takes: group_size x page, or packed
+    group_size: int                 # layers per KV cache group (the largest, when packed)
     num_gdn_groups: int
     num_attention_groups: int
     num_ple_groups: int
+    num_indexer_ring_groups: int    # QSA raw-key rings: one block per request each (Qwen4Exp)
     gdn_pages_per_request: int      # per GDN group: 1 + k / 2 + k (stock), 1 / 2 (one-page)
     ple_pages_per_request: int      # per PLE group: 1 + k / 2 + k in both modes (0: no PLE)
     num_blocks: int
     blocks_per_request: int
     tokens: int                     # as vLLM logs "KV cache size: N tokens"
+    starts: bool                    # vLLM starts: the pool less its null block holds one
+                                    # request at max_model_len (else it stops at start)
     max_concurrency: float
     running: int
     pinned_blocks: int              # blocks `running` requests hold before any context
     pinned_fraction: float          # pinned_blocks / num_blocks (may exceed 1: does not fit)
     gdn_pinned_fraction: float      # the GDN state-page part of pinned_fraction
-    attention_pinned_fraction: float
+    attention_pinned_fraction: float  # attention blocks (and QSA indexer rings)
     ple_pinned_fraction: float      # the PLE state-page part (Qwen4Exp)
 
     def public(self) -> dict[str, Any]:
@@ -378,6 +408,61 @@ def layer_grouping(num_gdn: int, num_attn: int, num_ple: int = 0) -> tuple[int, 
             math.ceil(num_ple / group_size))
 
 
+def _approximate_gcd(values: list[int], lower_bound: int) -> int:
+    """The chunk at or above lower_bound that pads `values` up least, ties to the larger
+    (vLLM's `_approximate_gcd`)."""
+    best, best_pad = lower_bound, None
+    for d in range(max(1, lower_bound), max(values) + 1):
+        pad = sum((d - x % d) % d for x in values)
+        if best_pad is None or pad <= best_pad:
+            best, best_pad = d, pad
+    return best
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Layers of one spec type: layer count per page size (equal counts: a repeating pattern),
+    whether it is a per-request state (mamba page, indexer ring), blocks a request holds per
+    layer."""
+
+    layers_per_page: dict[int, int]
+    is_state: bool
+    blocks_per_layer: int
+
+    @property
+    def max_layers(self) -> int:
+        return max(self.layers_per_page.values())
+
+
+def packed_grouping(buckets: list[_Bucket]) -> tuple[int, list[int]]:
+    """(bytes per block, groups per bucket) of vLLM's block-outermost packing of mixed page sizes
+    (`_get_packed_kv_cache_groups`, `_get_kv_cache_bytes_per_block`): QSA's indexer caches give
+    Qwen4Exp pages of several sizes. Every bucket here is a 1:1 pattern (one layer per page size
+    per repeat); its groups take the repeats round-robin."""
+    multi = [b.max_layers for b in buckets if len(b.layers_per_page) > 1]
+    min_repeats = max(multi, default=0)
+    repeats = _approximate_gcd([b.max_layers for b in buckets], min_repeats) if min_repeats \
+        else None
+
+    def groups_for(b: _Bucket) -> int:
+        return math.ceil(b.max_layers / repeats) if repeats else 1
+
+    def widest_group_bytes(b: _Bucket, n: int) -> int:
+        return sum(math.ceil(count / n) * page for page, count in b.layers_per_page.items())
+
+    anchor = max(widest_group_bytes(b, sum(b.layers_per_page.values()) if b.is_state
+                                    else groups_for(b)) for b in buckets)
+    num_groups = []
+    for b in buckets:
+        n = groups_for(b)
+        if b.is_state:
+            states_per_block = max(anchor // next(iter(b.layers_per_page)), 1)
+            n = max(n, math.ceil(sum(b.layers_per_page.values()) / states_per_block))
+        num_groups.append(n)
+    bytes_per_block = max(widest_group_bytes(b, n) for b, n in zip(buckets, num_groups))
+    return bytes_per_block, num_groups
+
+
 def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
               max_model_len: int, platform: str = "gpu", onepage: bool,
               state_dtype: str | None = None, running: int = 8,
@@ -390,17 +475,44 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
                                  PLATFORM_BLOCK_ALIGN_TOKENS[platform])
     page = block * bpt
     draft_attn = shape.num_mtp_layers if num_spec > 0 else 0
-    group_size, n_gdn_groups, n_attn_groups, n_ple_groups = layer_grouping(
-        shape.num_gdn_layers, shape.num_attention_layers + draft_attn, shape.num_ple_layers)
-    num_blocks = kv_bytes_per_rank // (group_size * page)
+    n_attn = shape.num_attention_layers + draft_attn
     gdn_pages = gdn_pages_per_request(num_spec, onepage, prefix_caching)
-    ple_pages = gdn_pages_per_request(num_spec, False, prefix_caching) if n_ple_groups else 0
+    ple_pages = gdn_pages_per_request(num_spec, False, prefix_caching) if shape.num_ple_layers \
+        else 0
+    attn_blocks = math.ceil(max_model_len / block)
+    n_ring_groups = 0
+    if shape.indexer_compress_ratio:
+        ring = indexer_ring_tokens(shape, num_spec)
+        if block % ring:
+            raise CapacityInputError(
+                f"{shape.name}: the QSA indexer ring of {ring} tokens does not divide the "
+                f"{block}-token attention block vLLM picks (TP {tp}, k = {num_spec}); vLLM "
+                "stops at start (QSAKeyStateCache); expected a k or TP where it divides")
+        ring_page, compressed_page = indexer_page_bytes(shape, num_spec, block)
+        attn_pages = {page: n_attn}
+        attn_pages[compressed_page] = attn_pages.get(compressed_page, 0) + n_attn
+        kinds = [("gdn", _Bucket({page: shape.num_gdn_layers}, True, gdn_pages)),
+                 ("attention", _Bucket(attn_pages, False, attn_blocks)),
+                 ("ple", _Bucket({page: shape.num_ple_layers}, True, ple_pages)),
+                 ("ring", _Bucket({ring_page: n_attn}, True, 1))]
+        kinds = [(kind, b) for kind, b in kinds if b.max_layers]
+        block_bytes, groups = packed_grouping([b for _, b in kinds])
+        per_kind = dict.fromkeys(("gdn", "attention", "ple", "ring"), 0)
+        per_kind.update({kind: n for (kind, _), n in zip(kinds, groups)})
+        n_gdn_groups, n_attn_groups, n_ple_groups, n_ring_groups = per_kind.values()
+        group_size = max(math.ceil(sum(b.layers_per_page.values()) / n)
+                         for (_, b), n in zip(kinds, groups))
+    else:
+        group_size, n_gdn_groups, n_attn_groups, n_ple_groups = layer_grouping(
+            shape.num_gdn_layers, n_attn, shape.num_ple_layers)
+        block_bytes = group_size * page
+    num_blocks = kv_bytes_per_rank // block_bytes
     blocks_per_request = (n_gdn_groups * gdn_pages + n_ple_groups * ple_pages
-                          + n_attn_groups * math.ceil(max_model_len / block))
+                          + n_attn_groups * attn_blocks + n_ring_groups)
     concurrency = num_blocks / blocks_per_request
     gdn_pinned = running * n_gdn_groups * gdn_pages
     ple_pinned = running * n_ple_groups * ple_pages
-    attn_pinned = running * n_attn_groups
+    attn_pinned = running * (n_attn_groups + n_ring_groups)
     pinned = gdn_pinned + ple_pinned + attn_pinned
     return PoolPlan(
         mode="onepage" if onepage else "stock",
@@ -409,15 +521,18 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
         ple_page_bytes=ple_page,
         page_bytes=page,
         attention_block_size=block,
+        block_bytes=block_bytes,
         group_size=group_size,
         num_gdn_groups=n_gdn_groups,
         num_attention_groups=n_attn_groups,
         num_ple_groups=n_ple_groups,
+        num_indexer_ring_groups=n_ring_groups,
         gdn_pages_per_request=gdn_pages,
         ple_pages_per_request=ple_pages,
         num_blocks=num_blocks,
         blocks_per_request=blocks_per_request,
         tokens=int(concurrency * max_model_len),
+        starts=num_blocks - 1 >= blocks_per_request,
         max_concurrency=concurrency,
         running=running,
         pinned_blocks=pinned,
@@ -479,8 +594,14 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
     if stock.num_blocks == 0 or onepage.num_blocks == 0:
         raise CapacityInputError(
             f"{kv_bytes_per_rank} B of KV cache per rank holds no block of "
-            f"{stock.group_size} x {stock.page_bytes} B; expected more memory")
+            f"{max(stock.block_bytes, onepage.block_bytes)} B; expected more memory")
     notes = []
+    for pool in (stock, onepage):
+        if not pool.starts:
+            notes.append(
+                f"{pool.mode}: vLLM would not start: one request at max_model_len needs "
+                f"{pool.blocks_per_request} blocks, the pool holds {pool.num_blocks} (one is "
+                "vLLM's null block); lower --max-model-len or give more memory")
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")
     if prefix_caching:
@@ -522,7 +643,7 @@ def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: in
     probe = plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
                       max_model_len=max_model_len, platform=platform, onepage=onepage,
                       state_dtype=state_dtype, running=running, prefix_caching=prefix_caching)
-    kv_bytes = num_blocks * probe.group_size * probe.page_bytes
+    kv_bytes = num_blocks * probe.block_bytes
     return plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                 max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
                 running=running, prefix_caching=prefix_caching)

@@ -29,6 +29,8 @@ QWEN4EXP_HEADS = [
 ]
 # (num_hidden_layers, full attention interval)
 QWEN4EXP_LAYERS = [(48, 4), (40, 4), (48, 3), (24, 6), (36, 4)]
+# QSA indexer (head dim, compress ratio); None: plain attention layers
+INDEXERS = [None, (128, 4), (64, 8), (128, 2)]
 PLE_LAYERS = [(), (1,), (1, 22), (2, 5, 7)]  # on GDN layers only (transformers checks)
 TPS = (2, 4)
 NUM_SPECS = (1, 3, 7, 10)
@@ -37,14 +39,22 @@ POOLS = [(20 * GIB, 32768), (int(7.3 * GIB), 131072), (13 * GIB + 12345, 24576)]
 STATE_DTYPES = ("bfloat16", "float32")
 
 
-def _qwen4exp_fields(heads, layers, ple_ids) -> dict:
+def _qwen4exp_fields(heads, layers, ple_ids, indexer) -> dict:
     hk, hv, dk, dv, nh, kvh, hd, hidden = heads
     n_layers, interval = layers
-    return dict(num_hidden_layers=n_layers, full_attention_interval=interval,
-                linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
-                linear_value_head_dim=dv, num_attention_heads=nh, num_key_value_heads=kvh,
-                head_dim=hd, hidden_size=hidden, ple_layer_ids=list(ple_ids), eos_token_id=1,
-                hc_count=4, ple_conv_kernel_size=4, ngram_size=3)
+    fields = dict(num_hidden_layers=n_layers, full_attention_interval=interval,
+                  linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                  linear_value_head_dim=dv, num_attention_heads=nh, num_key_value_heads=kvh,
+                  head_dim=hd, hidden_size=hidden, ple_layer_ids=list(ple_ids), eos_token_id=1,
+                  hc_count=4, ple_conv_kernel_size=4, ngram_size=3)
+    if indexer:
+        index_dim, ratio = indexer
+        # RoPE on a quarter of the head, so it fits the index head (transformers checks)
+        fields.update(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=index_dim,
+                      indexer_budget=2048, indexer_compress_ratio=ratio,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                       "partial_rotary_factor": 16 / hd})
+    return fields
 
 
 def _qwen3_fields(heads, layers) -> dict:
@@ -63,13 +73,13 @@ def _grid() -> list[tuple]:
     with a fixed seed so the set is the same on every run."""
     rng = random.Random(16)
     cases = []
-    qwen4 = list(itertools.product(QWEN4EXP_HEADS, QWEN4EXP_LAYERS, PLE_LAYERS, TPS, NUM_SPECS,
-                                   POOLS, STATE_DTYPES))
-    for heads, layers, ple, tp, k, pool, sdt in rng.sample(qwen4, 90):
+    qwen4 = list(itertools.product(QWEN4EXP_HEADS, QWEN4EXP_LAYERS, PLE_LAYERS, INDEXERS, TPS,
+                                   NUM_SPECS, POOLS, STATE_DTYPES))
+    for heads, layers, ple, indexer, tp, k, pool, sdt in rng.sample(qwen4, 120):
         ple = tuple(i for i in ple if i <= layers[0] and i % layers[1])
         for prefix_caching, onepage in itertools.product((False, True), (False, True)):
-            cases.append(("qwen4_exp", _qwen4exp_fields(heads, layers, ple), tp, k, pool, sdt,
-                          prefix_caching, onepage, "gpu"))
+            cases.append(("qwen4_exp", _qwen4exp_fields(heads, layers, ple, indexer), tp, k,
+                          pool, sdt, prefix_caching, onepage, "gpu"))
     qwen3 = list(itertools.product(("qwen3_next", "qwen3_5"), QWEN4EXP_HEADS, QWEN4EXP_LAYERS,
                                    (1, 2, 4), NUM_SPECS, POOLS, STATE_DTYPES))
     for i, (family, heads, layers, tp, k, pool, sdt) in enumerate(rng.sample(qwen3, 50)):
@@ -99,7 +109,7 @@ def _describe(case) -> str:
     family, fields, tp, k, (kv, length), sdt, pc, onepage, platform = case
     keys = ("num_hidden_layers", "full_attention_interval", "linear_num_key_heads",
             "linear_num_value_heads", "num_key_value_heads", "head_dim", "hidden_size",
-            "ple_layer_ids")
+            "ple_layer_ids", "indexer_head_dim", "indexer_compress_ratio")
     shape = ", ".join(f"{k_}={fields[k_]}" for k_ in keys if k_ in fields)
     return (f"{family}({shape}) tp={tp} k={k} kv={kv} B L={length} state={sdt} "
             f"{'align' if pc else 'none'} {'one-page' if onepage else 'stock'} {platform}")
@@ -108,16 +118,28 @@ def _describe(case) -> str:
 def test_planner_equals_vllm_accounting_on_every_shape():
     import_vllm_model_modules()
     cases = _grid()
-    checked = 0
+    checked = rejected = refused_start = 0
     for case in cases:
         family, fields, tp, k, (kv, length), sdt, pc, onepage, platform = case
         shape = _planner_shape(family, fields)
-        mine = cap.plan_pool(shape, tp=tp, num_spec=k, kv_bytes_per_rank=kv,
-                             max_model_len=length, onepage=onepage, state_dtype=sdt,
-                             prefix_caching=pc, platform=platform)
-        theirs = vllm_accounting(family, fields, tp=tp, num_spec=k, kv_bytes_per_rank=kv,
-                                 max_model_len=length, onepage=onepage, prefix_caching=pc,
-                                 ssm_dtype=sdt, platform=platform)
+        kw = dict(tp=tp, num_spec=k, kv_bytes_per_rank=kv, max_model_len=length,
+                  onepage=onepage, prefix_caching=pc, platform=platform)
+        try:
+            mine = cap.plan_pool(shape, state_dtype=sdt, **kw)
+        except cap.CapacityInputError as exc:
+            # the planner refuses exactly the shapes vLLM refuses (QSA ring vs block size)
+            assert "QSA indexer ring" in str(exc), _describe(case)
+            with pytest.raises(AssertionError, match="QSA ring capacity"):
+                vllm_accounting(family, fields, ssm_dtype=sdt, **kw)
+            rejected += 1
+            continue
+        if not mine.starts:
+            # vLLM's start-up check (_check_enough_kv_cache_memory) refuses the same pools
+            with pytest.raises(ValueError, match="To serve at least one request"):
+                vllm_accounting(family, fields, ssm_dtype=sdt, **kw)
+            refused_start += 1
+            continue
+        theirs = vllm_accounting(family, fields, ssm_dtype=sdt, **kw)
         got = (mine.attention_block_size, max(mine.gdn_page_bytes, mine.ple_page_bytes),
                mine.num_blocks, mine.blocks_per_request, mine.tokens)
         want = (theirs.attention_block_size, theirs.mamba_page_bytes, theirs.num_blocks,
@@ -127,4 +149,8 @@ def test_planner_equals_vllm_accounting_on_every_shape():
             f"blocks per request, tokens) planner {got}, vLLM {want}")
         checked += 1
     qwen4 = sum(1 for c in cases if c[0] == "qwen4_exp")
-    assert checked == len(cases) == 568 and qwen4 == 368
+    qsa = sum(1 for c in cases if "indexer_head_dim" in c[1])
+    print(f"{checked} shapes equal, {rejected} refused by both (QSA ring), {refused_start} "
+          f"refused by both (no room for one request), {qwen4} Qwen4Exp ({qsa} with "
+          f"the QSA indexer), {len(cases) - qwen4} Qwen3-Next/Qwen3.5")
+    assert checked + rejected + refused_start == len(cases) == 688 and qwen4 == 488

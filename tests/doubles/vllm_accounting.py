@@ -252,9 +252,28 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
                     or getattr(hf, "num_nextn_predict_layers", None) or 1)
         for j in range(n_mtp):
             specs[f"mtp.layers.{hf.num_hidden_layers + j}.self_attn.attn"] = attn_spec
+    if family == "qwen4_exp" and getattr(hf, "indexer_n_heads", None) is not None:
+        from vllm.models.qwen4_exp.common.qsa_cache import (QSACompressedKeyCache,
+                                                            QSAKeyStateCache)
+        for name in [n for n in specs if n.endswith("self_attn.attn")]:
+            prefix = name.removesuffix(".attn") + ".indexer."
+            raw = QSAKeyStateCache(head_size=int(hf.indexer_head_dim), dtype=dtype,
+                                   cache_rope_positions=False, prefix=prefix + "raw_key_cache",
+                                   cache_config=cache_config,
+                                   compress_ratio=int(hf.indexer_compress_ratio),
+                                   vllm_config=vllm_config)
+            comp = QSACompressedKeyCache(head_size=int(hf.indexer_head_dim), dtype=dtype,
+                                         compress_ratio=int(hf.indexer_compress_ratio),
+                                         prefix=prefix + "compressed_key_cache",
+                                         cache_config=cache_config, vllm_config=vllm_config)
+            specs[prefix + "raw_key_cache"] = raw.get_kv_cache_spec(vllm_config)
+            specs[prefix + "compressed_key_cache"] = comp.get_kv_cache_spec(vllm_config)
 
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
     backends = [attn_backend, GDNAttentionBackend]
+    if family == "qwen4_exp" and getattr(hf, "indexer_n_heads", None) is not None:
+        from vllm.models.qwen4_exp.common.qsa_cache import QSAStateBackend
+        backends.append(QSAStateBackend)
     layouts = [m.name for m in get_supported_kv_cache_layouts(backends)]
     resolve_kv_cache_layout(vllm_config, [layouts], specs.values())
     (kv_config,) = kvu.get_kv_cache_configs(vllm_config, [specs], [kv_bytes_per_rank])
