@@ -43,7 +43,7 @@ def _last_writer(keys: torch.Tensor) -> torch.Tensor:
     return last.scatter_reduce(0, inverse, pos, reduce="amax")
 
 
-def _block_ids(table_addr: int, stride_req: int, rows: torch.Tensor,
+def block_ids(table_addr: int, stride_req: int, rows: torch.Tensor,
                cols: torch.Tensor) -> torch.Tensor:
     """block_table[rows, cols] of an int32 block table at table_addr (row stride in elements)."""
     flat = rows.to(torch.int64) * stride_req + cols.to(torch.int64)
@@ -58,12 +58,14 @@ def copy_state_blocks(req: torch.Tensor, src_col: torch.Tensor, dst_col: torch.T
                       state_block_strides: torch.Tensor, state_elem_sizes: torch.Tensor,
                       state_inner_sizes: torch.Tensor, state_conv_widths: torch.Tensor,
                       state_group_indices: torch.Tensor, state_dim_row_count: torch.Tensor,
-                      state_dim_row_stride: torch.Tensor, conv_state_dim_first: bool) -> None:
+                      state_dim_row_stride: torch.Tensor, conv_state_dim_first: bool,
+                      skip_states: frozenset[int] = frozenset()) -> None:
     """`_copy_mamba_state_block` for every (request, state): requests in launch order, each with
     its block-table row, source and destination columns and accepted-token bias.
 
     conv state: state[bt[src], bias:] -> state[bt[dst], :width - bias] (a shift in place when
-    the blocks coincide); temporal state: state[bt[src + bias]] -> state[bt[dst]]."""
+    the blocks coincide); temporal state: state[bt[src + bias]] -> state[bt[dst]]. States whose
+    index is in ``skip_states`` are left to the caller (one-page states, which replay)."""
     if req.numel() == 0:
         return
     meta = [t.tolist() for t in (state_base_addrs, state_block_strides, state_elem_sizes,
@@ -73,7 +75,9 @@ def copy_state_blocks(req: torch.Tensor, src_col: torch.Tensor, dst_col: torch.T
     bias = token_bias.to(torch.int64)
     # Block ids and copy pairs depend only on the group (and conv width): computed once each.
     ids_cache: dict[tuple, tuple] = {}
-    for base, stride, elem, inner, width, group, dim_rows, row_stride in zip(*meta):
+    for i, (base, stride, elem, inner, width, group, dim_rows, row_stride) in enumerate(zip(*meta)):
+        if i in skip_states:
+            continue
         key = (group, width)
         if key not in ids_cache:
             ids_cache[key] = _copy_pairs(req, src_col, dst_col, bias, group_addrs[group],
@@ -105,13 +109,13 @@ def _copy_pairs(req, src_col, dst_col, bias, table_addr, stride_req, width):
     """(src block, src position, dst block, dst position) of every copied unit: whole blocks for a
     temporal state (width 0), token positions t < width - bias for a conv state; one writer per
     destination (the last request in launch order)."""
-    dst_blk = _block_ids(table_addr, stride_req, req, dst_col)
+    dst_blk = block_ids(table_addr, stride_req, req, dst_col)
     if width == 0:
-        src_blk = _block_ids(table_addr, stride_req, req, src_col + bias)
+        src_blk = block_ids(table_addr, stride_req, req, src_col + bias)
         keep = _last_writer(dst_blk)
         zero = torch.zeros(keep.numel(), dtype=torch.int64)
         return src_blk[keep], zero, dst_blk[keep], zero
-    src_blk = _block_ids(table_addr, stride_req, req, src_col)
+    src_blk = block_ids(table_addr, stride_req, req, src_col)
     t = torch.arange(width, dtype=torch.int64)
     valid = t[None, :] < (width - bias)[:, None]
     r_idx, t_idx = valid.nonzero(as_tuple=True)
@@ -130,6 +134,18 @@ def _launch_rows(num_reqs: int, idx_mapping: torch.Tensor | None,
     return torch.arange(num_reqs, dtype=torch.int64)
 
 
+def precopy_moves(mamba_state_idx, src_col, token_bias, idx_mapping, num_reqs: int,
+                  has_idx_mapping: bool):
+    """The pre-copy's decision: (request slots, source column, destination column, accepted-token
+    bias) of every request whose running column moved (src >= 0, src != dst), in launch order."""
+    req = _launch_rows(int(num_reqs), idx_mapping, has_idx_mapping)
+    src = src_col[req].to(torch.int64)
+    dst = mamba_state_idx[req].to(torch.int64)
+    moved = (src >= 0) & (src != dst)
+    req = req[moved]
+    return req, src[moved], dst[moved], token_bias[req].to(torch.int64)
+
+
 def precopy_mamba_align_fused_kernel(
     mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
     block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
@@ -142,16 +158,40 @@ def precopy_mamba_align_fused_kernel(
     del COPY_BLOCK_SIZE, TEMPORAL_TILES  # GPU tiling only
     if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
         return
-    req = _launch_rows(int(num_reqs), idx_mapping_ptr, HAS_IDX_MAPPING)
-    src = src_col_ptr[req].to(torch.int64)
-    dst = mamba_state_idx_ptr[req].to(torch.int64)
-    moved = (src >= 0) & (src != dst)
-    req, src, dst = req[moved], src[moved], dst[moved]
-    copy_state_blocks(req, src, dst, token_bias_ptr[req], block_table_ptrs_ptr,
+    req, src, dst, bias = precopy_moves(mamba_state_idx_ptr, src_col_ptr, token_bias_ptr,
+                                        idx_mapping_ptr, num_reqs, HAS_IDX_MAPPING)
+    copy_state_blocks(req, src, dst, bias, block_table_ptrs_ptr,
                       int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
                       state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
                       state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
                       bool(CONV_STATE_DIM_FIRST))
+
+
+def boundary_moves(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
+                   num_computed_tokens, num_draft_tokens, idx_mapping, num_reqs: int, block_size,
+                   has_idx_mapping: bool, precomputed_new_computed: bool):
+    """The boundary copy's decision per request in launch order: (request slots, running column
+    src, boundary block column dst, bias = accepted rows before the boundary - 1, needs_copy: the
+    accepted tokens reached a block end past the running state, same_block: that block is the
+    running one)."""
+    req = _launch_rows(int(num_reqs), idx_mapping, has_idx_mapping)
+    num_accepted = num_accepted_tokens[req].to(torch.int64)
+    src = mamba_state_idx[req].to(torch.int64)
+    if precomputed_new_computed:
+        new_computed = num_computed_tokens[req].to(torch.int64)
+        running_tokens = new_computed - num_accepted + 1
+    else:
+        running_tokens = (num_computed_tokens[req].to(torch.int64)
+                          + num_scheduled_tokens[req].to(torch.int64)
+                          - num_draft_tokens[req].to(torch.int64))
+        new_computed = running_tokens + num_accepted - 1
+    # Triton's integer division truncates toward zero
+    aligned = torch.div(new_computed, block_size, rounding_mode="trunc") * block_size
+    needs_copy = aligned >= running_tokens
+    bias = aligned - running_tokens
+    dst = torch.div(aligned, block_size, rounding_mode="trunc") - 1
+    same_block = needs_copy & (src == dst)
+    return req, src, dst, bias, needs_copy, same_block
 
 
 def postprocess_mamba_fused_kernel(
@@ -169,23 +209,10 @@ def postprocess_mamba_fused_kernel(
     del COPY_BLOCK_SIZE, TEMPORAL_TILES
     if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
         return
-    req = _launch_rows(int(num_reqs), idx_mapping_ptr, HAS_IDX_MAPPING)
-    num_accepted = num_accepted_tokens_ptr[req].to(torch.int64)
-    src = mamba_state_idx_ptr[req].to(torch.int64)
-    if PRECOMPUTED_NEW_COMPUTED:
-        new_computed = num_computed_tokens_ptr[req].to(torch.int64)
-        running_tokens = new_computed - num_accepted + 1
-    else:
-        running_tokens = (num_computed_tokens_ptr[req].to(torch.int64)
-                          + num_scheduled_tokens_ptr[req].to(torch.int64)
-                          - num_draft_tokens_ptr[req].to(torch.int64))
-        new_computed = running_tokens + num_accepted - 1
-    # Triton's integer division truncates toward zero
-    aligned = torch.div(new_computed, block_size, rounding_mode="trunc") * block_size
-    needs_copy = aligned >= running_tokens
-    bias = aligned - running_tokens
-    dst = torch.div(aligned, block_size, rounding_mode="trunc") - 1
-    same_block = needs_copy & (src == dst)
+    req, src, dst, bias, needs_copy, same_block = boundary_moves(
+        num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
+        num_computed_tokens_ptr, num_draft_tokens_ptr, idx_mapping_ptr, num_reqs, block_size,
+        HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED)
     num_accepted_tokens_out_ptr[req[same_block]] = 1
     copy = needs_copy & ~(same_block & (bias == 0))
     copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs_ptr,

@@ -45,6 +45,10 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.spec_state_indices_tensor = torch.empty(
             (self.decode_cudagraph_max_bs, 1), dtype=torch.int32, device=device)
+        if current_platform.is_cpu():
+            from r9k import onepage_align
+
+            onepage_align.track_group(layer_names)  # prefix caching's copies find layers by group
 
 
 class OnePageGDNAttentionBackend(GDNAttentionBackend):
@@ -75,7 +79,10 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if current_platform.is_cpu():
             from r9k import gdn_cpu
 
+            from r9k import onepage_align
+
             gdn_cpu.register_op()  # at construction: torch.compile must not trace a registration
+            onepage_align.track_layer(self)  # prefix caching's copies replay its record
             self._onepage_forward_cpu = gdn_cpu.onepage_forward_cpu
             self._forward_method = self.forward_cpu_onepage
         elif current_platform.is_cuda_alike():

@@ -42,7 +42,8 @@ def register_cpu_align_kernels() -> None:
         return
     from vllm.triton_utils.dispatcher import register_kernels
 
-    from r9k.kernels.cpu_align import VLLM_KERNEL_NAMES
+    # the stock ports, one-page aware: a one-page layer's SSM state replays its record
+    from r9k.onepage_align import VLLM_KERNEL_NAMES
 
     register_kernels(VLLM_KERNEL_NAMES)
     logger.info("r9k: CPU mamba align kernels registered (prefix caching with spec decoding)")

