@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
-    replay_accepted_rows)
+    replay_accepted_rows, replay_into)
 
 
 @dataclass
@@ -208,3 +208,121 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
         stats.steps += 1
     return stats
 
+
+# --- prefix caching's copies (mamba_cache_mode "align") -------------------------------------------
+
+ALIGN_EVENTS = ("none", "boundary", "boundary_in_place", "move", "hit")
+
+
+def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype, num_seqs: int = 6,
+                         num_spec: int = 3, steps: int = 10, seed: int = 0,
+                         device: str = "cpu") -> tuple[dict[str, int], list[int]]:
+    """Stock's slot copies vs `replay_into` side by side over `steps` verify steps with random
+    acceptance; per request and step a random event: none, boundary copy into an earlier block
+    (which gets cached), boundary copy in place (the running page ends at the boundary, then
+    moves on), pre-copy (the running page moved), prefix hit (a new request resumes from a
+    cached block). Asserts outputs, every copied checkpoint (against stock's bytes) and cleared
+    flags; returns the event counts and the rows each copy replayed."""
+    g = torch.Generator().manual_seed(seed)
+    h, n, S, dev = heads, num_seqs, 1 + num_spec, device
+    counts = {e: 0 for e in ALIGN_EVENTS}
+    replayed_rows = []
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+    A_log = (torch.rand(h.num_v_heads, generator=g) * 2).to(dev)
+    dt_bias = torch.randn(h.num_v_heads, generator=g).to(torch.bfloat16).to(dev)
+    be = make_backend(A_log, dt_bias)
+    shape = (h.num_v_heads, h.head_k_dim, h.head_v_dim)
+    pages_needed = 1 + n * S + 2 * n * steps + n
+    stock = torch.zeros((pages_needed, *shape), dtype=state_dtype, device=dev)
+    one = torch.zeros((pages_needed, *shape), dtype=state_dtype, device=dev)
+    record = rand(pages_needed, RECORD_SLOTS, S, h.record_row_width)
+    # recycled pages: live-looking garbage flags that every copy must clear at its destination
+    flag = torch.randint(1, S + 1, (pages_needed, FLAG_WORDS), generator=g,
+                         dtype=getattr(torch, FLAG_DTYPE))
+    flag[:, FLAG_SLOT] %= RECORD_SLOTS
+    flag = flag.to(dev)
+    free = iter(range(1 + n * S, pages_needed))
+
+    slot_rows = torch.stack([torch.arange(S) + 1 + i * S for i in range(n)]).to(torch.int32).to(dev)
+    pages = torch.tensor([next(free) for _ in range(n)], dtype=torch.int32, device=dev)
+    dev_kw = dict(device=dev)
+    init = rand(n, *shape, dtype=torch.float32, scale=0.1).to(state_dtype)
+    stock[slot_rows[:, 0].long()] = init
+    one[pages.long()] = init
+    clear_records(flag, pages)  # prefill
+    cached: list[tuple[int, int]] = []  # (stock page, one-page page) of cached blocks
+    num_accepted = torch.ones(n, dtype=torch.int32, device=dev)
+
+    def check(stock_page: int, one_page: int, what: str) -> None:
+        assert_bit_identical(one[one_page], stock[stock_page], what)
+        assert int(flag[one_page].abs().sum()) == 0, f"{what}: flag not cleared {flag[one_page]}"
+
+    for step in range(steps):
+        lens = torch.randint(1, S + 1, (n,), generator=g)
+        cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32).to(dev)
+        rows = int(cu[-1])
+        x = GdnInputs(q=rand(rows, h.num_k_heads, h.head_k_dim),
+                      k=rand(rows, h.num_k_heads, h.head_k_dim),
+                      v=rand(rows, h.num_v_heads, h.head_v_dim),
+                      a=rand(rows, h.num_v_heads), b=rand(rows, h.num_v_heads))
+        ref = be.per_slot_step(stock, slot_rows, num_accepted, x, cu)
+        out = onepage_verify_step(be, h, one, record, flag, pages, num_accepted, x, cu)
+        assert_bit_identical(out, ref, f"step {step} outputs")
+        new_acc = torch.stack([torch.randint(1, int(t) + 1, (1,), generator=g)[0] for t in lens])
+        for i in range(n):
+            acc = int(new_acc[i])
+            event = ALIGN_EVENTS[int(torch.randint(len(ALIGN_EVENTS), (1,), generator=g))]
+            if event == "hit" and not cached:
+                event = "none"
+            counts[event] += 1
+            src = pages[i:i + 1]
+            if event == "boundary":  # accepted tokens crossed an earlier block's end
+                bias = int(torch.randint(acc, (1,), generator=g))
+                d_stock, d_one = next(free), next(free)
+                stock[d_stock] = stock[int(slot_rows[i, bias])]
+                replayed_rows += replay_into(be, h, one, record, flag, src,
+                                             torch.tensor([d_one], **dev_kw), torch.tensor([bias + 1], **dev_kw)).tolist()
+                check(d_stock, d_one, f"step {step} seq {i}: boundary copy (bias {bias})")
+                cached.append((d_stock, d_one))
+                num_accepted[i] = acc
+            elif event == "boundary_in_place":  # the running page ends at the boundary
+                run = int(slot_rows[i, 0])
+                stock[run] = stock[int(slot_rows[i, acc - 1])]
+                replayed_rows += replay_into(be, h, one, record, flag, src, src,
+                                             torch.tensor([acc], **dev_kw)).tolist()
+                check(run, int(pages[i]), f"step {step} seq {i}: boundary copy in place")
+                cached.append((run, int(pages[i])))
+                slot_rows[i, 0] = next(free)  # the cached block stays; running moves on
+                stock[int(slot_rows[i, 0])] = stock[run]
+                new = next(free)
+                replayed_rows += replay_into(be, h, one, record, flag, src, torch.tensor([new], **dev_kw),
+                                             torch.tensor([1], **dev_kw)).tolist()
+                pages[i] = new
+                check(int(slot_rows[i, 0]), new, f"step {step} seq {i}: pre-copy from a cached block")
+                num_accepted[i] = 1
+            elif event == "move":  # pre-copy: the running page moved on
+                new_stock, new_one = next(free), next(free)
+                stock[new_stock] = stock[int(slot_rows[i, acc - 1])]
+                replayed_rows += replay_into(be, h, one, record, flag, src,
+                                             torch.tensor([new_one], **dev_kw), torch.tensor([acc], **dev_kw)).tolist()
+                check(new_stock, new_one, f"step {step} seq {i}: pre-copy")
+                slot_rows[i, 0], pages[i] = new_stock, new_one
+                num_accepted[i] = 1
+            elif event == "hit":  # a new request resumes from a cached block
+                c_stock, c_one = cached[int(torch.randint(len(cached), (1,), generator=g))]
+                new_stock, new_one = next(free), next(free)
+                stock[new_stock] = stock[c_stock]
+                replayed_rows += replay_into(be, h, one, record, flag, torch.tensor([c_one], **dev_kw),
+                                             torch.tensor([new_one], **dev_kw), torch.tensor([acc], **dev_kw)).tolist()
+                check(new_stock, new_one, f"step {step} seq {i}: prefix hit")
+                slot_rows[i, 0], pages[i] = new_stock, new_one
+                num_accepted[i] = 1
+            else:
+                num_accepted[i] = acc
+    # the cached blocks still hold what stock cached (nothing wrote them since)
+    for c_stock, c_one in cached:
+        check(c_stock, c_one, "cached block at the end")
+    return counts, replayed_rows
