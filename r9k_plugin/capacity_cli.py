@@ -64,10 +64,23 @@ def capacity(preset: str | None, config_path: Path | None, tp: int, num_spec: in
 def format_table(r: cap.CapacityPlan) -> str:
     rows = [
         ("GDN page (B)", r.stock.gdn_page_bytes, r.onepage.gdn_page_bytes),
+    ]
+    if r.stock.ple_page_bytes:  # Qwen4Exp: the replicated PLE short-conv page
+        rows.append(("PLE page, every rank (B)", r.stock.ple_page_bytes, r.onepage.ple_page_bytes))
+    rows += [
         ("shared page (B)", r.stock.page_bytes, r.onepage.page_bytes),
         ("attention block (tokens)", r.stock.attention_block_size, r.onepage.attention_block_size),
+        ("KV cache groups (GDN/PLE/attn/ring)",
+         *(f"{p.num_gdn_groups}/{p.num_ple_groups}/{p.num_attention_groups}/"
+           f"{p.num_indexer_ring_groups}" for p in (r.stock, r.onepage))),
         ("GDN pages per request per group", r.stock.gdn_pages_per_request,
          r.onepage.gdn_pages_per_request),
+    ]
+    if r.stock.num_ple_groups:
+        rows.append(("PLE pages per request per group", r.stock.ple_pages_per_request,
+                     r.onepage.ple_pages_per_request))
+    rows += [
+        ("bytes per pool block", r.stock.block_bytes, r.onepage.block_bytes),
         ("blocks in pool", r.stock.num_blocks, r.onepage.num_blocks),
         ("blocks per request", r.stock.blocks_per_request, r.onepage.blocks_per_request),
         ("KV cache tokens", f"{r.stock.tokens:,}", f"{r.onepage.tokens:,}"),

@@ -87,12 +87,14 @@ def _grid() -> list[tuple]:
         for prefix_caching, onepage in itertools.product((False, True), (False, True)):
             cases.append((family, _qwen3_fields(heads, layers), tp, k, pool, sdt,
                           prefix_caching, onepage, platform))
-    # Flash-Next itself at TP 2 and 4, every mode
+    # Flash-Next itself at TP 2 and 4, every mode, on the README's pools and a larger one
     flash = {k: v for k, v in cap.PRESETS["flash-next"].items()
              if k not in ("model_type", "torch_dtype")}
-    for tp, prefix_caching, onepage in itertools.product(TPS, (False, True), (False, True)):
-        cases.append(("qwen4_exp", dict(flash, eos_token_id=1), tp, 3, (20 * GIB, 65536),
-                      "bfloat16", prefix_caching, onepage, "gpu"))
+    flash_pools = [(20 * GIB, 65536), (int(2.48 * GIB), 23552), (int(3.63 * GIB), 23552)]
+    for tp, pool, prefix_caching, onepage in itertools.product(TPS, flash_pools, (False, True),
+                                                               (False, True)):
+        cases.append(("qwen4_exp", dict(flash, eos_token_id=1), tp, 3, pool, "bfloat16",
+                      prefix_caching, onepage, "gpu"))
     return cases
 
 
@@ -153,4 +155,4 @@ def test_planner_equals_vllm_accounting_on_every_shape():
     print(f"{checked} shapes equal, {rejected} refused by both (QSA ring), {refused_start} "
           f"refused by both (no room for one request), {qwen4} Qwen4Exp ({qsa} with "
           f"the QSA indexer), {len(cases) - qwen4} Qwen3-Next/Qwen3.5")
-    assert checked + rejected + refused_start == len(cases) == 688 and qwen4 == 488
+    assert checked + rejected + refused_start == len(cases) == 704 and qwen4 == 504

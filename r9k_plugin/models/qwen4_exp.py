@@ -10,4 +10,18 @@ class OnePageQwen4ExpForCausalLM(OnePageGdnSizing, Qwen4ExpForCausalLM):
 
 class OnePageQwen4ExpForConditionalGeneration(OnePageGdnSizing,
                                               Qwen4ExpForConditionalGeneration):
-    pass
+    """vLLM's class sizes pages through `Qwen4ExpForCausalLM.<method>` by name, which would skip
+    the one-page sizing (stock pages in the pool, one-page pages in the layers): route the
+    three sizing entry points through the one-page CausalLM class instead."""
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config):
+        return OnePageQwen4ExpForCausalLM.get_mamba_specs_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        return OnePageQwen4ExpForCausalLM.get_mamba_state_shape_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return OnePageQwen4ExpForCausalLM.get_mamba_state_dtype_from_config(vllm_config)

@@ -293,3 +293,11 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
         group_size=max(len(g.layer_names) for g in kv_config.kv_cache_groups),
         num_blocks=kv_config.num_blocks, blocks_per_request=blocks_per_request,
         tokens=tokens, max_concurrency=concurrency, gdn_record_shape=record_shape)
+
+
+def import_plugin_qwen4exp_classes() -> tuple[type, type]:
+    """The plugin's OnePageQwen4ExpForCausalLM and ...ForConditionalGeneration (r9k.models)."""
+    with _torchvision_stand_in():
+        from r9k.models.qwen4_exp import (OnePageQwen4ExpForCausalLM,
+                                          OnePageQwen4ExpForConditionalGeneration)
+    return OnePageQwen4ExpForCausalLM, OnePageQwen4ExpForConditionalGeneration
