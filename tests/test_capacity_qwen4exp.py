@@ -180,3 +180,27 @@ def test_cli_says_when_vllm_would_not_start():
                                  "--max-model-len", "131072"])
     assert r.exit_code == 0, r.output
     assert "note: stock: vLLM would not start: one request at max_model_len needs" in r.output
+
+
+def test_readme_flash_next_section_is_the_planners_output():
+    """README's Flash-Next command output and table come from the planner, not by hand."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    argv = ["capacity", "--preset", "flash-next", "--tp", "4", "--num-spec", "3",
+            "--kv-gib-per-rank", "3.63", "--max-model-len", "45056", "--state-dtype",
+            "float32", "--no-prefix-caching"]
+    assert "$ r9k " + " ".join(argv) + "\n" + CliRunner().invoke(cli, argv).output in readme
+    for tp, gib, seed_row in ((2, 2.48, "| KV tokens, TP2 | 154,641 -> 183,202 (+18%) |"),
+                              (4, 3.63, "| KV tokens, TP4 | 256,682 -> 279,564 (+9%) |")):
+        p = cap.plan(cap.preset("flash-next"), tp=tp, num_spec=3,
+                     kv_bytes_per_rank=int(gib * GIB), max_model_len=45056,
+                     state_dtype="float32")
+        gain = round(100 * (p.ratio - 1))
+        assert (f"{seed_row} {p.stock.tokens:,} -> {p.onepage.tokens:,} (+{gain}%) |"
+                in readme), tp
+        pinned = [round(q.pinned_fraction / q.running * q.tokens) for q in (p.stock, p.onepage)]
+        assert f"request, TP{tp} (tokens) | " in readme
+        assert f"| {pinned[0]:,} -> {pinned[1]:,} |" in readme, tp
+        assert (f"{p.stock.pinned_fraction:.1%} -> {p.onepage.pinned_fraction:.1%} |"
+                in readme), tp
