@@ -216,13 +216,19 @@ ALIGN_EVENTS = ("none", "boundary", "boundary_in_place", "move", "hit")
 
 def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype, num_seqs: int = 6,
                          num_spec: int = 3, steps: int = 10, seed: int = 0,
-                         device: str = "cpu") -> tuple[dict[str, int], list[int]]:
+                         device: str = "cpu", onepage_step: Callable | None = None,
+                         replay_into_fn: Callable | None = None
+                         ) -> tuple[dict[str, int], list[int]]:
     """Stock's slot copies vs `replay_into` side by side over `steps` verify steps with random
     acceptance; per request and step a random event: none, boundary copy into an earlier block
     (which gets cached), boundary copy in place (the running page ends at the boundary, then
     moves on), pre-copy (the running page moved), prefix hit (a new request resumes from a
     cached block). Asserts outputs, every copied checkpoint (against stock's bytes) and cleared
-    flags; returns the event counts and the rows each copy replayed."""
+    flags; returns the event counts and the rows each copy replayed. `onepage_step` (default
+    onepage_verify_step) and `replay_into_fn` (default replay_into) take those functions'
+    arguments: a fused GPU kernel instead, for example."""
+    step_fn = onepage_step or onepage_verify_step
+    replay_into_ = replay_into_fn or replay_into
     g = torch.Generator().manual_seed(seed)
     h, n, S, dev = heads, num_seqs, 1 + num_spec, device
     counts = {e: 0 for e in ALIGN_EVENTS}
@@ -269,7 +275,7 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
                       v=rand(rows, h.num_v_heads, h.head_v_dim),
                       a=rand(rows, h.num_v_heads), b=rand(rows, h.num_v_heads))
         ref = be.per_slot_step(stock, slot_rows, num_accepted, x, cu)
-        out = onepage_verify_step(be, h, one, record, flag, pages, num_accepted, x, cu)
+        out = step_fn(be, h, one, record, flag, pages, num_accepted, x, cu)
         assert_bit_identical(out, ref, f"step {step} outputs")
         new_acc = torch.stack([torch.randint(1, int(t) + 1, (1,), generator=g)[0] for t in lens])
         for i in range(n):
@@ -283,7 +289,7 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
                 bias = int(torch.randint(acc, (1,), generator=g))
                 d_stock, d_one = next(free), next(free)
                 stock[d_stock] = stock[int(slot_rows[i, bias])]
-                replayed_rows += replay_into(be, h, one, record, flag, src,
+                replayed_rows += replay_into_(be, h, one, record, flag, src,
                                              torch.tensor([d_one], **dev_kw), torch.tensor([bias + 1], **dev_kw)).tolist()
                 check(d_stock, d_one, f"step {step} seq {i}: boundary copy (bias {bias})")
                 cached.append((d_stock, d_one))
@@ -291,14 +297,14 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
             elif event == "boundary_in_place":  # the running page ends at the boundary
                 run = int(slot_rows[i, 0])
                 stock[run] = stock[int(slot_rows[i, acc - 1])]
-                replayed_rows += replay_into(be, h, one, record, flag, src, src,
+                replayed_rows += replay_into_(be, h, one, record, flag, src, src,
                                              torch.tensor([acc], **dev_kw)).tolist()
                 check(run, int(pages[i]), f"step {step} seq {i}: boundary copy in place")
                 cached.append((run, int(pages[i])))
                 slot_rows[i, 0] = next(free)  # the cached block stays; running moves on
                 stock[int(slot_rows[i, 0])] = stock[run]
                 new = next(free)
-                replayed_rows += replay_into(be, h, one, record, flag, src, torch.tensor([new], **dev_kw),
+                replayed_rows += replay_into_(be, h, one, record, flag, src, torch.tensor([new], **dev_kw),
                                              torch.tensor([1], **dev_kw)).tolist()
                 pages[i] = new
                 check(int(slot_rows[i, 0]), new, f"step {step} seq {i}: pre-copy from a cached block")
@@ -306,7 +312,7 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
             elif event == "move":  # pre-copy: the running page moved on
                 new_stock, new_one = next(free), next(free)
                 stock[new_stock] = stock[int(slot_rows[i, acc - 1])]
-                replayed_rows += replay_into(be, h, one, record, flag, src,
+                replayed_rows += replay_into_(be, h, one, record, flag, src,
                                              torch.tensor([new_one], **dev_kw), torch.tensor([acc], **dev_kw)).tolist()
                 check(new_stock, new_one, f"step {step} seq {i}: pre-copy")
                 slot_rows[i, 0], pages[i] = new_stock, new_one
@@ -315,7 +321,7 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
                 c_stock, c_one = cached[int(torch.randint(len(cached), (1,), generator=g))]
                 new_stock, new_one = next(free), next(free)
                 stock[new_stock] = stock[c_stock]
-                replayed_rows += replay_into(be, h, one, record, flag, torch.tensor([c_one], **dev_kw),
+                replayed_rows += replay_into_(be, h, one, record, flag, torch.tensor([c_one], **dev_kw),
                                              torch.tensor([new_one], **dev_kw), torch.tensor([acc], **dev_kw)).tolist()
                 check(new_stock, new_one, f"step {step} seq {i}: prefix hit")
                 slot_rows[i, 0], pages[i] = new_stock, new_one

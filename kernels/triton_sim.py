@@ -58,3 +58,36 @@ class FusedStepChecked:
         assert_bit_identical(flag_pool, flag_c, f"{step} flags")
         self.steps += 1
         return out
+
+
+class ReplayIntoChecked:
+    """A `replay_into_fn` for run_align_simulation: the Triton align-copy kernel on the
+    simulation's pools, `replay_into` over the composed backend on copies, torch.equal after
+    every copy (checkpoints, records, flags)."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def __call__(self, backend: StockTritonComposed, heads: GdnHeads, state_pool, record_pool,
+                 flag_pool, src_pages, dst_pages, num_rows):
+        from r9k.kernels.onepage import replay_into
+        from r9k.kernels.triton_align import onepage_replay_into
+
+        pool_c, record_c, flag_c = state_pool.clone(), record_pool.clone(), flag_pool.clone()
+        rows = replay_into(backend, heads, pool_c, record_c, flag_c, src_pages, dst_pages,
+                           num_rows)
+        onepage_replay_into(A_log=backend.A_log, dt_bias=backend.dt_bias, ssm_state=state_pool,
+                            record=record_pool, flag=flag_pool,
+                            src_pages=src_pages.to(torch.int32), dst_pages=dst_pages.to(torch.int32),
+                            num_rows=num_rows.to(torch.int32), num_k_heads=heads.num_k_heads)
+        what = f"align copy {self.copies}"
+        assert_bit_identical(state_pool, pool_c, f"{what} checkpoints")
+        # a destination's record is dead (its flag is cleared): the kernel path copies src's
+        # there, replay_into leaves it; every other page's record must be untouched
+        live = torch.ones(record_pool.shape[0], dtype=torch.bool, device=record_pool.device)
+        moved = (src_pages > 0) & (dst_pages > 0) & (src_pages != dst_pages)
+        live[dst_pages[moved].long()] = False
+        assert_bit_identical(record_pool[live], record_c[live], f"{what} records")
+        assert_bit_identical(flag_pool, flag_c, f"{what} flags")
+        self.copies += 1
+        return rows
