@@ -29,7 +29,7 @@ from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
-PINNED_KINDS = ("gdn", "attention")
+PINNED_KINDS = ("gdn", "attention", "ple")  # ple: Qwen4Exp's short-conv pages (0 elsewhere)
 DEFAULT_TIMEOUT_S = 2.0
 # The whole replica phase (fleet status and every replica) ends by this deadline, so hung replicas
 # cannot push a scrape past Prometheus' 10 s scrape_timeout and take the card metrics with them.
@@ -112,6 +112,8 @@ class Layout:
     num_attention_groups: int
     gdn_pages_per_request: int
     source: str  # "plugin" or "capacity"
+    num_ple_groups: int = 0          # Qwen4Exp's PLE groups keep stock pages in both modes
+    ple_pages_per_request: int = 0
 
 
 @dataclass
@@ -227,7 +229,8 @@ class ReplicaCollector:
             reading.pinned = capacity.pinned_fraction(
                 int(metrics.running), num_blocks=metrics.num_blocks, num_gdn_groups=lay.num_gdn_groups,
                 num_attention_groups=lay.num_attention_groups,
-                gdn_pages_per_request=lay.gdn_pages_per_request)
+                gdn_pages_per_request=lay.gdn_pages_per_request, num_ple_groups=lay.num_ple_groups,
+                ple_pages_per_request=lay.ple_pages_per_request)
         if shape is not None and metrics.num_blocks:
             reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks,
                                                             metrics.ssm_state_dtype,
@@ -240,7 +243,10 @@ class ReplicaCollector:
             return None  # no plugin, or one whose planner could not read the model: use ours
         try:
             return Layout(page_mode, int(plugin["num_gdn_groups"]), int(plugin["num_attention_groups"]),
-                          int(plugin["gdn_pages_per_request"]), "plugin")
+                          int(plugin["gdn_pages_per_request"]), "plugin",
+                          # absent from plugins before PLE accounting: no PLE groups
+                          int(plugin.get("num_ple_groups") or 0),
+                          int(plugin.get("ple_pages_per_request") or 0))
         except (KeyError, ValueError):
             self._count("replica")  # the plugin's gauge lacks a label we document
             return None
@@ -303,7 +309,8 @@ class ReplicaCollector:
                                   onepage=page_mode == "onepage", running=0,
                                   prefix_caching=prefix_caching)
         return Layout(page_mode, pool.num_gdn_groups, pool.num_attention_groups,
-                      pool.gdn_pages_per_request, "capacity")
+                      pool.gdn_pages_per_request, "capacity", pool.num_ple_groups,
+                      pool.ple_pages_per_request)
 
     def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
                          page_mode: str, num_blocks: int, state_dtype: str | None = None,
@@ -345,7 +352,8 @@ class ReplicaCollector:
         block_size = gauge("r9k_kv_block_size_tokens", "Tokens per attention block.")
         pinned = gauge("r9k_kv_pinned_ratio",
                        "Share of the pool pinned by running requests before any context, by kind "
-                       "(gdn state pages, attention); sum over kind for the total.", ["kind"])
+                       "(gdn state pages, attention, ple: Qwen4Exp short-conv pages); sum over kind "
+                       "for the total.", ["kind"])
         cap_tokens = gauge("r9k_kv_capacity_tokens",
                            "KV cache tokens the replica's pool holds, by page mode (capacity module).",
                            ["page_mode"])

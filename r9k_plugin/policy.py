@@ -132,6 +132,8 @@ class PageMode:
     num_gdn_groups: int | None    # the capacity module's view of this engine's pool
     num_attention_groups: int | None
     gdn_pages_per_request: int | None
+    num_ple_groups: int | None = None         # Qwen4Exp's PLE short-conv groups (0 elsewhere)
+    ple_pages_per_request: int | None = None  # per PLE group: stock's 1 + k (2 + k in align)
 
     def labels(self) -> dict[str, str]:
         return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
@@ -147,7 +149,7 @@ def page_mode(vllm_config: Any) -> PageMode:
     onepage = reason is None
     spec = vllm_config.speculative_config
     num_spec = int(spec.num_speculative_tokens or 0) if spec is not None else 0
-    layout, groups = "", (None, None, None)
+    layout, groups = "", (None,) * 5
     try:
         shape = capacity.HybridModelShape.from_config(
             vllm_config.model_config.hf_text_config.to_dict(),
@@ -166,14 +168,16 @@ def page_mode(vllm_config: Any) -> PageMode:
                                   max_model_len=1, platform=platform, onepage=onepage,
                                   state_dtype=state_dtype, running=0,
                                   prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
-        groups = (pool.num_gdn_groups, pool.num_attention_groups, pool.gdn_pages_per_request)
+        groups = (pool.num_gdn_groups, pool.num_attention_groups, pool.gdn_pages_per_request,
+                  pool.num_ple_groups, pool.ple_pages_per_request)
     except (capacity.CapacityInputError, AttributeError, KeyError):
         pass  # a config the planner cannot read (e.g. an unknown layout): the mode still holds
     return PageMode(
         page_mode="onepage" if onepage else "stock", reason=reason or "",
         cache_mode=str(vllm_config.cache_config.mamba_cache_mode),
         record_layout=layout, vllm_version=vllm.__version__, num_spec=num_spec,
-        num_gdn_groups=groups[0], num_attention_groups=groups[1], gdn_pages_per_request=groups[2])
+        num_gdn_groups=groups[0], num_attention_groups=groups[1], gdn_pages_per_request=groups[2],
+        num_ple_groups=groups[3], ple_pages_per_request=groups[4])
 
 
 def _explicit_state_dtype(vllm_config: Any) -> str | None:

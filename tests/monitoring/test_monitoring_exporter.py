@@ -216,6 +216,22 @@ def test_layout_from_plugin_info_and_from_v1_models_root(tiny_model_dir):
     assert val(s, "r9k_kv_capacity_tokens", replica="q", model="tiny", page_mode="stock") == live.stock.tokens
 
 
+def test_plugin_layout_counts_qwen4exps_ple_pages():
+    """Flash-Next: PLE short-conv groups keep stock pages in both modes and pin pool blocks too."""
+    plugin = {"page_mode": "onepage", "num_gdn_groups": 36, "num_attention_groups": 13,
+              "gdn_pages_per_request": 1, "num_ple_groups": 1, "ple_pages_per_request": 4}
+    with FakeReplica(model_name="fn", running=8, num_gpu_blocks=6608, plugin_info=plugin) as r:
+        s = scrape(build_registry(build_collector("/nonexistent", None, "/nonexistent",
+                                                  [parse_replica_spec(f"{r.url},name=fn")])))
+    want = capacity.pinned_fraction(8, num_blocks=6608, num_gdn_groups=36, num_attention_groups=13,
+                                    gdn_pages_per_request=1, num_ple_groups=1, ple_pages_per_request=4)
+    assert want["ple"] == pytest.approx(8 * 4 / 6608)
+    got = {kind: val(s, "r9k_kv_pinned_ratio", replica="fn", model="fn", kind=kind)
+           for kind in ("gdn", "attention", "ple")}
+    assert got["ple"] == pytest.approx(want["ple"]) and got["gdn"] == pytest.approx(want["gdn"])
+    assert sum(got.values()) == pytest.approx((8 * 36 + 8 * 4 + 8 * 13) / 6608)
+
+
 def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
     with FakeReplica(model_name="tiny", running=1, num_gpu_blocks=64) as replica:
         fleet_doc = {"replicas": [
