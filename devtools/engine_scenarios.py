@@ -30,3 +30,38 @@ def scenarios(max_tokens: int = 24) -> list[dict]:
                    [prompt(1500, 204), prompt(7, 205)],
                    [prompt(90, 206), prompt(90, 206), prompt(2500, 207)]]},
     ]
+
+
+# --- prefix caching (mamba_cache_mode "align") -------------------------------------------------
+
+SHARED = prompt(800, 301)  # byte-level tokenizer: 3 blocks of 256 tokens
+MAX_TOKENS = 24
+SMALL_POOL_KV_BYTES = 8 << 20  # tiny, k = 3: 5,041 tokens stock, 6,553 one-page; 8 x ~1,300 preempts
+
+
+def prefix_scenarios(shared: str = SHARED, near_ends: tuple[int, ...] = (250, 500, 760)
+                     ) -> list[dict]:
+    """A cold round whose prompts end just under block ends (`near_ends`, 256-token blocks by
+    default: decode crosses a boundary), the same prompts warm and others sharing several blocks
+    of prefix (hits), a request joining while one with the same prefix runs, multi-turn
+    conversations re-sent with their history."""
+    first = shared + prompt(40, 302)
+    return [
+        {"name": "cold", "kind": "batch", "max_tokens": MAX_TOKENS,
+         "prompts": [first] + [prompt(n, 303 + i) for i, n in enumerate(near_ends)]},
+        {"name": "warm", "kind": "batch", "max_tokens": MAX_TOKENS,
+         "prompts": [first, shared + prompt(60, 305), shared[:600] + prompt(30, 306),
+                     prompt(near_ends[1], 304)]},
+        {"name": "join", "kind": "join", "steps_between": 3, "max_tokens": MAX_TOKENS,
+         "waves": [[shared + prompt(50, 307)], [shared + prompt(45, 308)]]},
+        {"name": "chat", "kind": "chat", "max_tokens": MAX_TOKENS,
+         "conversations": [[shared[:300] + prompt(40, 310), prompt(30, 311), prompt(200, 312)],
+                           [prompt(230, 313), prompt(25, 314), prompt(20, 315)]]},
+    ]
+
+
+def preempt_scenarios() -> list[dict]:
+    """Eight long requests sharing a prefix: more than a small pool holds (preemption)."""
+    shared = prompt(520, 320)
+    return [{"name": "crowd", "kind": "batch", "max_tokens": 48,
+             "prompts": [shared + prompt(700 + 40 * i, 330 + i) for i in range(8)]}]

@@ -5,7 +5,7 @@ Triton backend, and the first launch raises TypeError. With the plugin's CPU por
 (every page mode, stock too) it serves, with prefix-cache hits, and the engine's logged KV
 capacity equals the planner's align figure, on the tiny model and on a `--set` shape whose
 attention block size differs. Engine starts: plain (fails fast), stock align, stock align on the
-second shape, one-page requested with prefix caching on (the policy keeps stock pages)."""
+second shape. One-page in align: test_engine_onepage_align.py."""
 from __future__ import annotations
 
 import pytest
@@ -109,13 +109,3 @@ def test_logged_kv_capacity_equals_planner_align(tiny_model, wide_model, shape):
     if shape == "vheads8":
         assert p.stock.attention_block_size != planner(tiny_model).stock.attention_block_size
         assert res["prefix_cache"]["hits"] > 0
-
-
-def test_prefix_caching_keeps_stock_pages(tiny_model):
-    """One-page requested with prefix caching on: the policy keeps stock pages (one-page in
-    align is not built) and the engine's pool is stock align's, as planned."""
-    plugin = engine(tiny_model, "onepage", scenario_set="none")
-    assert not plugin["onepage_active"]
-    assert "prefix caching is on (mamba_cache_mode='align')" in plugin["stock_reason"]
-    assert plugin["kv_cache_tokens"] == planner(tiny_model).stock.tokens
-    assert plugin["kv_cache_tokens"] < planner(tiny_model, prefix_caching=False).onepage.tokens
