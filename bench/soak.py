@@ -26,14 +26,11 @@ LENGTH_BUCKETS = ((0, 256, "short"), (256, 2048, "medium"), (2048, 1 << 30, "lon
 
 
 def prompt_of_length(rng: random.Random, index: int, n_chars: int) -> str:
-    head = f"[{index}] "  # distinct per request
-    words: list[str] = []
-    size = len(head)
-    while size < n_chars:
-        w = rng.choice(WORDS)
-        words.append(w)
-        size += len(w) + 1
-    return (head + " ".join(words))[:n_chars]
+    """Exactly `n_chars` characters (one token each for the tiny byte-level model)."""
+    text = f"[{index}]"  # distinct per request
+    while len(text) < n_chars:
+        text += " " + rng.choice(WORDS)
+    return text[:n_chars]
 
 
 def log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:

@@ -30,11 +30,12 @@ def summarize(values: Sequence[float], ps: Sequence[float] = (50, 90, 99)) -> di
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
-    """Mean, min, max and relative half-range of repeated measurements."""
+    """Mean, median, min, max and relative half-range of repeated measurements."""
     if not values:
         return {"n": 0}
     mean = sum(values) / len(values)
-    return {"n": len(values), "mean": mean, "min": min(values), "max": max(values),
+    return {"n": len(values), "mean": mean, "median": percentile(values, 50),
+            "min": min(values), "max": max(values),
             "half_range_pct": 50 * (max(values) - min(values)) / mean if mean else None,
             "values": list(values)}
 

@@ -44,10 +44,11 @@ class Server:
 
     def __init__(self, model: Path, mode: str, num_spec: int, kv_bytes: int, max_len: int,
                  log_path: Path, *, max_num_seqs: int = 8, cpu_bind: str | None = None,
-                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
+                 prefix_caching: bool = False) -> None:
         self.launch = ApiServerLaunch(
             model, "tiny", free_port(), max_len, kv_bytes, num_spec=num_spec, spec_method="mtp",
-            prefix_caching=False, state_dtype="float32",
+            prefix_caching=prefix_caching, state_dtype="float32",
             extra_args=("--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--seed", "0",
                         *extra_args),
             env={"R9K_GDN_STATE": mode, **(extra_env or {})}, cpu_bind=cpu_bind)

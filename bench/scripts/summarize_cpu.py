@@ -90,6 +90,10 @@ def main() -> int:
     if cmp_md.exists():
         lines += ["", "## Compare", "", "See [compare_cpu_tiny.md](compare_cpu_tiny.md) and "
                   "![compare](compare_cpu_tiny.png)"]
+    if (RESULTS / "shared_prefix_cpu_tiny.md").exists():
+        lines += ["", "## Shared prefix, prefix caching on", "", "See "
+                  "[shared_prefix_cpu_tiny.md](shared_prefix_cpu_tiny.md) and "
+                  "![shared prefix](shared_prefix_cpu_tiny.png)"]
     (RESULTS / "summary_cpu.md").write_text("\n".join(lines) + "\n")
     print((RESULTS / "summary_cpu.md").read_text())
     return 0
