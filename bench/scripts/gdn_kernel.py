@@ -34,7 +34,9 @@ from r9k.kernels.triton_fused import onepage_fused_step
 
 SHAPES = {
     "27b-tp2": GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128),
-    # Qwen3-Next-80B's GDN geometry at TP4, standing in for Flash-Next (Qwen4Exp)
+    # Flash-Next (Qwen4Exp) per rank, from the planner's flash-next preset (transformers'
+    # Qwen4ExpTextConfig defaults: 16 key / 32 value heads, dims 128)
+    "flash-next-tp2": GdnHeads(num_k_heads=8, num_v_heads=16, head_k_dim=128, head_v_dim=128),
     "flash-next-tp4": GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
