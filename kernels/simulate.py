@@ -33,6 +33,7 @@ class SimConfig:
     row_map: bool = False              # interleave spec rows with other rows (mixed batch)
     null_pages: int = 0                # padded sequences pointing at the null page
     lockstep_copies: bool = False      # all sequences identical (copies in one batch)
+    full_candidates: bool = False      # every sequence verifies S rows (vLLM's decode batch)
     device: str = "cpu"
     seed: int = 0
 
@@ -164,6 +165,8 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
     check_replayed_checkpoints("after prefill", num_accepted)
     for step in range(cfg.steps):
         lens = torch.randint(1, S + 1, (n,), generator=g)
+        if cfg.full_candidates:
+            lens[:] = S
         if cfg.lockstep_copies:
             lens[:] = lens[0]
         cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)

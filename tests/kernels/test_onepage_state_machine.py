@@ -87,6 +87,25 @@ def test_vllm_cpu_op_lockstep_copies():
                              seed=2), VllmCpuOps)
 
 
+@cpu_ops
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs,num_spec,null_pages", [(1, 3, 0), (8, 3, 0), (6, 7, 2)])
+def test_vllm_cpu_op_full_candidates(state_dtype, num_seqs, num_spec, null_pages):
+    """vLLM's decode batch: every sequence verifies S rows, so `VllmCpuOps.verify_step` writes
+    the record with one indexed copy (null pages fall back to the per-row write)."""
+    from r9k.kernels.cpu import VllmCpuOps
+
+    heads = GdnHeads(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64)
+    st = run_simulation(SimConfig(heads, num_seqs=num_seqs, num_spec=num_spec, steps=8,
+                                  state_dtype=state_dtype, full_candidates=True, layers=2,
+                                  null_pages=null_pages, seed=23 + num_seqs), VllmCpuOps)
+    live = num_seqs - null_pages
+    assert st.replay_hist[0] == 2 * live, dict(st.replay_hist)
+    assert st.checkpoint_checks == 2 * (1 + 8) * live
+    if num_seqs > 1:
+        assert_replay_coverage(st, num_candidates=1 + num_spec)
+
+
 def test_a_wrong_replay_count_is_caught():
     """The simulation must be able to fail: replaying one row too many breaks bit-identity."""
     import r9k.kernels.onepage as onepage
