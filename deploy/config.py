@@ -129,6 +129,9 @@ class EntrySpec(_Strict):
     # Serving beyond loopback without a key lets anyone on the network drain or stop the fleet:
     # only with this explicit opt-in (and a warning at `fleet up`).
     allow_unauthenticated: StrictBool = False
+    # r9k.deploy.routing: pool-aware | least-outstanding | prefix-affinity
+    routing: Literal["pool-aware", "least-outstanding", "prefix-affinity"] = "pool-aware"
+    prefix_chars: StrictInt = Field(default=1024, ge=1)  # prefix affinity's key length
 
     @property
     def loopback(self) -> bool:

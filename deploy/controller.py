@@ -24,6 +24,7 @@ from r9k.deploy import ray_backend
 from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec
 from r9k.deploy.engine import engine_argv, engine_env, planned_pool, prove_pages
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
+from r9k.deploy.routing import EngineLoad
 from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)
@@ -80,7 +81,8 @@ class FleetController(Backend):
         self.replicas: dict[str, Replica] = {}
         self.hosts: list[HostSpec] = []
         self.pool: CardPool | None = None
-        self.entry = EntryPoint(self, api_key=self.api_key)
+        self.entry = EntryPoint(self, api_key=self.api_key, routing=cfg.entry.routing,
+                                prefix_chars=cfg.entry.prefix_chars)
         self.runner = None
         self.session: aiohttp.ClientSession | None = None
         self.probe: HttpProbe | None = None
@@ -346,6 +348,11 @@ class FleetController(Backend):
         proof = (prove_pages(text or "", self.plans[r.model.name], r.model.gdn_state)
                  if loading and heartbeat else None)
         counters = parse_vllm_metrics(text) if text and not loading else None
+        if counters is not None and None not in (counters.running, counters.waiting,
+                                                 counters.kv_usage_ratio):
+            # the router scores replicas by the engine's own pool and queue
+            r.route.engine = EngineLoad(counters.running, counters.waiting,
+                                        counters.kv_usage_ratio, now)
         self._note(r, r.lc.observe(now, Observation(
             heartbeat_ok=heartbeat, counters=counters, in_flight=r.route.outstanding, proof=proof)))
 

@@ -1,6 +1,7 @@
-"""The fleet's one OpenAI-compatible endpoint: routes each request to the least busy ready replica
-of its model (streaming passes through), answers 503 with the replica states when none is
-ready, serves the fleet status (monitoring's ``FleetStatus`` shape) and the admin actions.
+"""The fleet's one OpenAI-compatible endpoint: routes each request to a ready replica of its model
+by the fleet's routing policy (`r9k.deploy.routing`: pool-aware by default; streaming passes
+through), answers 503 with the replica states when none is ready, serves the fleet status
+(monitoring's ``FleetStatus`` shape) and the admin actions.
 
 It knows replicas only through :class:`Backend` (the controller, or a table in tests).
 """
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+
+from r9k.deploy.routing import EngineLoad, choose, prefix_key
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                "content-encoding", "authorization", "upgrade"}
@@ -31,6 +34,7 @@ class Route:
     served: int = 0
     last_pick: int = 0          # router's pick counter when this replica was last chosen
     api_key: str | None = field(default=None, repr=False)
+    engine: EngineLoad | None = None  # the engine's own state, from the controller's probe
 
 
 class Backend(Protocol):
@@ -45,23 +49,15 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-_picks = itertools.count(1)
-
-
-def pick(routes: list[Route]) -> Route | None:
-    """Least outstanding requests; ties go to the one chosen longest ago (a restarted replica
-    takes its turn at once, not after catching up a lifetime count)."""
-    route = min(routes, key=lambda r: (r.outstanding, r.last_pick, r.name), default=None)
-    if route is not None:
-        route.last_pick = next(_picks)
-    return route
-
-
 class EntryPoint:
-    def __init__(self, backend: Backend, api_key: str | None = None, proxy_timeout_s: float = 3600) -> None:
+    def __init__(self, backend: Backend, api_key: str | None = None, proxy_timeout_s: float = 3600,
+                 routing: str = "pool-aware", prefix_chars: int = 1024) -> None:
         self.backend = backend
         self.api_key = api_key
         self.proxy_timeout_s = proxy_timeout_s
+        choose([], routing, 0.0)  # a bad policy name fails here, at start
+        self.routing = routing
+        self.prefix_chars = prefix_chars
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
@@ -119,15 +115,18 @@ class EntryPoint:
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         body = await request.read()
         try:
-            model = json.loads(body).get("model")
+            doc = json.loads(body)
+            model = doc.get("model")
         except (json.JSONDecodeError, AttributeError):
             return _error(400, "expected a JSON object with a `model` field", "BadRequest")
+        key = prefix_key(doc, self.prefix_chars) if self.routing == "prefix-affinity" else None
         names = self.backend.model_names()
         if model not in names:
             return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
         tried: dict[str, str] = {}
         while True:
-            route = pick([r for r in self.backend.routes(model) if r.name not in tried])
+            route = choose([r for r in self.backend.routes(model) if r.name not in tried],
+                           self.routing, time.monotonic(), key)
             if route is None:
                 if tried:
                     return _error(502, f"replicas of {model!r} dropped the request before answering: "
