@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from r9k.deploy.routing import EngineLoad, choose, prefix_key
 
@@ -58,10 +60,25 @@ class EntryPoint:
         choose([], routing, 0.0)  # a bad policy name fails here, at start
         self.routing = routing
         self.prefix_chars = prefix_chars
+        # every /v1 request ends as exactly one outcome; retries are counted on the side
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "r9k_entry_requests", "Requests through the entry point by outcome: served (2xx), "
+            "rejected (4xx: bad request, key, unknown model, or the replica's 4xx), errored (5xx "
+            "from the entry point or a replica), broken (a replica died after the answer "
+            "started: a stream ends with an error event)", ["outcome"], registry=self.registry)
+        self.retries = Counter("r9k_entry_retries", "Requests sent again to another replica "
+                               "because the first dropped them before answering",
+                               registry=self.registry)
+        self.routed = Counter("r9k_entry_routed", "Requests sent to each replica",
+                              ["replica"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_post("/v1/{tail:.*}", self.proxy)
         self.app.router.add_get("/fleet/status", self.status)
         self.app.router.add_post("/fleet/{action}", self.admin)
@@ -97,6 +114,11 @@ class EntryPoint:
                  "ready_replicas": len(self.backend.routes(m))} for m in self.backend.model_names()]
         return web.json_response({"object": "list", "data": data})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(self.registry))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.backend.status())
 
@@ -111,6 +133,11 @@ class EntryPoint:
         return web.json_response(payload, status=status)
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        response = await self._proxy(request)
+        self.requests.labels(_outcome(response)).inc()
+        return response
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         body = await request.read()
@@ -125,14 +152,19 @@ class EntryPoint:
             return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
         tried: dict[str, str] = {}
         while True:
-            route = choose([r for r in self.backend.routes(model) if r.name not in tried],
-                           self.routing, time.monotonic(), key)
+            route = None
+            if len(tried) < MAX_TRIES:
+                route = choose([r for r in self.backend.routes(model) if r.name not in tried],
+                               self.routing, time.monotonic(), key)
             if route is None:
                 if tried:
                     return _error(502, f"replicas of {model!r} dropped the request before answering: "
                                   + ", ".join(f"{k} ({v})" for k, v in tried.items()), "BadGateway")
                 return _error(503, f"no ready replica for model {model!r} ({self.backend.states_line(model)})",
                               "ServiceUnavailable")
+            if tried:
+                self.retries.inc()
+            self.routed.labels(route.name).inc()
             route.outstanding += 1
             try:
                 response = await self._forward(request, route, body)
@@ -159,10 +191,29 @@ class EntryPoint:
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass  # the replica died mid-answer: the client sees a truncated body
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # the replica died mid-answer: a stream ends with a well-formed error event
+                # (OpenAI's shape) and [DONE]; a plain body can only end short
+                response.r9k_broken = True
+                if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    event = {"error": {"message": f"replica {route.name} dropped the stream "
+                                                  f"({type(exc).__name__})",
+                                       "type": "BadGateway", "code": 502}}
+                    await response.write(f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
             await response.write_eof()
             return response
+
+
+OUTCOMES = ("served", "rejected", "errored", "broken")
+MAX_TRIES = 2  # a request a replica dropped before answering goes to one other replica
+
+
+def _outcome(response: web.StreamResponse) -> str:
+    if getattr(response, "r9k_broken", False):
+        return "broken"
+    if response.status < 400:
+        return "served"
+    return "rejected" if response.status < 500 else "errored"
 
 
 async def serve(entry: EntryPoint, host: str, port: int) -> web.AppRunner:

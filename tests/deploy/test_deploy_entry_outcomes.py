@@ -1,0 +1,134 @@
+"""Every request through the entry point ends as one counted outcome (served, rejected, errored,
+broken), a dropped request is retried once on another replica, and a stream whose replica dies
+mid-answer ends with a well-formed error event: real HTTP, fake replicas, no engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from aiohttp import web
+
+from r9k.deploy.entry import EntryPoint, Route, serve
+from r9k.devtools.demo import free_port
+from r9k.http_client import http_request
+
+
+def replica_app(name: str, mode: str) -> web.Application:
+    app = web.Application()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if mode == "teapot":
+            return web.json_response({"error": "no"}, status=418)
+        if mode == "broken":  # two events, then the replica dies
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(2):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                await asyncio.sleep(0.05)
+            request.transport.close()
+            return resp
+        return web.json_response({"replica": name, "model": body["model"]})
+
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+class Table:
+    def __init__(self, routes):
+        self.all, self.ready = routes, {r.name for r in routes}
+
+    def routes(self, model):
+        return [r for r in self.all if r.name in self.ready]
+
+    def model_names(self):
+        return ["m"]
+
+    def states_line(self, model):
+        return "none ready"
+
+    def status(self):
+        return {"replicas": [], "stopped": []}
+
+    async def admin(self, action, body):
+        return 200, {}
+
+
+@pytest.fixture
+def fleet():
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
+    runners, routes = [], []
+    for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken")):
+        port = free_port()
+        runner = web.AppRunner(replica_app(name, mode))
+        run(runner.setup())
+        run(web.TCPSite(runner, "127.0.0.1", port).start())
+        runners.append(runner)
+        routes.append(Route(name, "m", f"http://127.0.0.1:{port}"))
+    for name in ("dead-1", "dead-2"):
+        routes.append(Route(name, "m", f"http://127.0.0.1:{free_port()}", outstanding=-9))
+    table = Table(routes)
+    entry = EntryPoint(table, routing="least-outstanding")
+    port = free_port()
+    runners.append(run(serve(entry, "127.0.0.1", port)))
+    yield type("F", (), {"url": f"http://127.0.0.1:{port}", "table": table, "entry": entry})
+    for r in runners:
+        run(r.cleanup())
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def post(f, body):
+    return http_request(f.url + "/v1/completions", method="POST", json_body=body, timeout_s=30)
+
+
+def outcomes(f) -> dict[str, float]:
+    text = http_request(f.url + "/metrics", timeout_s=5).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("r9k_entry_requests_total{"):
+            out[line.split('outcome="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("r9k_entry_retries_total "):
+            out["retries"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_each_request_ends_as_one_counted_outcome(fleet):
+    fleet.table.ready = {"good"}
+    assert post(fleet, {"model": "m"}).status == 200
+    assert post(fleet, {"model": "nope"}).status == 404          # rejected by the entry point
+    assert post(fleet, {"no": "model"}).status == 404
+    fleet.table.ready = {"teapot"}
+    assert post(fleet, {"model": "m"}).status == 418             # the replica's 4xx: rejected
+    fleet.table.ready = set()
+    assert post(fleet, {"model": "m"}).status == 503             # errored, names the states
+    got = outcomes(fleet)
+    assert got == {"served": 1, "rejected": 3, "errored": 1, "broken": 0, "retries": 0}, got
+
+
+def test_a_dropped_request_is_retried_once_then_502(fleet):
+    fleet.table.ready = {"dead-1", "good"}  # dead-1 has the fewest outstanding: tried first
+    resp = post(fleet, {"model": "m"})
+    assert resp.status == 200 and resp.json()["replica"] == "good"
+    fleet.table.ready = {"dead-1", "dead-2", "good"}  # two dead first: one retry only
+    resp = post(fleet, {"model": "m"})
+    assert resp.status == 502
+    msg = resp.json()["error"]["message"]
+    assert "dead-1 (ClientConnectorError)" in msg and "dead-2 (ClientConnectorError)" in msg
+    got = outcomes(fleet)
+    assert (got["served"], got["errored"], got["retries"]) == (1, 1, 2), got
+
+
+def test_a_stream_cut_mid_answer_ends_with_an_error_event(fleet):
+    fleet.table.ready = {"broken"}
+    resp = post(fleet, {"model": "m", "stream": True})
+    assert resp.status == 200
+    events = [e[len("data: "):] for e in resp.text.split("\n\n") if e.startswith("data: ")]
+    assert [json.loads(e)["i"] for e in events[:2]] == [0, 1]
+    err = json.loads(events[2])["error"]
+    assert err["code"] == 502 and "replica broken dropped the stream" in err["message"]
+    assert events[3] == "[DONE]" and len(events) == 4
+    assert outcomes(fleet)["broken"] == 1
