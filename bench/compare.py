@@ -72,19 +72,11 @@ def shared_prefix_prompts(rng: random.Random, n: int, groups: int, prefix_chars:
 def prefix_cache_counts(metrics_text: str) -> dict[str, float] | None:
     """vLLM's prefix-cache counters on one /metrics page, summed over engines: tokens looked up
     (`vllm:prefix_cache_queries`) and tokens found (`vllm:prefix_cache_hits`); None when the page
-    has neither. (r9k.vllm_metrics.VllmMetrics does not carry them yet; this reads the page with
-    the same parser.)"""
-    from prometheus_client.parser import text_string_to_metric_families
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        key = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}.get(
-            family.name)
-        if key is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                counts[key] = counts.get(key, 0.0) + sample.value
-    return counts if set(counts) == {"queries", "hits"} else None
+    has neither."""
+    m = parse_vllm_metrics(metrics_text)
+    if m.prefix_cache_queries is None or m.prefix_cache_hits is None:
+        return None
+    return {"queries": m.prefix_cache_queries, "hits": m.prefix_cache_hits}
 
 
 def prefix_cache_delta(before: dict[str, float] | None,

@@ -31,6 +31,8 @@ class VllmMetrics:
     generation_tokens: float | None = None  # vllm:generation_tokens_total
     kv_usage_ratio: float | None = None     # vllm:kv_cache_usage_perc (the fullest engine)
     preemptions: float | None = None        # vllm:num_preemptions_total
+    prefix_cache_queries: float | None = None  # vllm:prefix_cache_queries_total (tokens looked up)
+    prefix_cache_hits: float | None = None     # vllm:prefix_cache_hits_total (tokens found)
     num_blocks: int | None = None           # vllm:cache_config_info num_gpu_blocks
     block_size: int | None = None           # vllm:cache_config_info block_size (tokens)
     ssm_state_dtype: str | None = None      # mamba_ssm_cache_dtype when set explicitly
@@ -74,6 +76,10 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
                 out.kv_usage_ratio = value if out.kv_usage_ratio is None else max(out.kv_usage_ratio, value)
             elif name == "vllm:num_preemptions_total":
                 out.preemptions = add(out.preemptions, value)
+            elif name == "vllm:prefix_cache_queries_total":
+                out.prefix_cache_queries = add(out.prefix_cache_queries, value)
+            elif name == "vllm:prefix_cache_hits_total":
+                out.prefix_cache_hits = add(out.prefix_cache_hits, value)
             elif name == "vllm:cache_config_info" and out.num_blocks is None:
                 out.num_blocks = _int_label(labels, "num_gpu_blocks")
                 out.block_size = _int_label(labels, "block_size")
