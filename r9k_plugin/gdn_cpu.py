@@ -17,7 +17,7 @@ from vllm.utils.torch_utils import _resolve_layer_name, direct_register_custom_o
 from r9k.capacity import FLAG_COUNT
 from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
-    GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
+    NULL_PAGE, GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
 
 _OP_REGISTERED = False
 
@@ -130,8 +130,9 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
     n = pages.numel()
     seq_lens = qsl[1:] - qsl[:-1]
     dim = x.size(-1)
-    if ((torch.cpu._is_amx_tile_supported() or stock_cpu.is_arm_bf16()) and width == 4 and n > 0
-            and bool(torch.all(seq_lens == seq_lens[0])) and int(seq_lens[0]) > 0):
+    uniform = n > 0 and bool(torch.all(seq_lens == seq_lens[0])) and int(seq_lens[0]) > 0
+    if ((torch.cpu._is_amx_tile_supported() or stock_cpu.is_arm_bf16()) and width == 4
+            and uniform):
         q_i = int(seq_lens[0])
         return stock_cpu._causal_conv1d_update_cpu(
             x=x.view(n, q_i, dim), conv_states=conv_buf, weight=layer.conv1d.weight,
@@ -139,6 +140,20 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
             conv_state_indices=pages.to("cpu", torch.int32).contiguous(), is_weight_packed=True,
             num_accepted_tokens=num_accepted.to("cpu", torch.int32)).view_as(x)
     w = stock_cpu._unpacked_conv_weight(layer).unsqueeze(1)
+    if uniform:
+        q = int(seq_lens[0])
+        if (q <= state_len and bool((pages != NULL_PAGE).all())
+                and bool(((num_accepted >= 1) & (num_accepted <= q)).all())):
+            return _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q)
+    return _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w)
+
+
+def _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w) -> torch.Tensor:
+    """vLLM's CPU `_spec_forward` conv loop (no AMX), one sequence at a time."""
+    state_len = conv_buf.size(-1)
+    n = pages.numel()
+    seq_lens = qsl[1:] - qsl[:-1]
+    dim = x.size(-1)
     out = torch.empty_like(x)
     for i in range(n):
         q_i = int(seq_lens[i])
@@ -154,3 +169,30 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
         out[start:start + q_i] = y.transpose(0, 1).to(out.dtype)
         buf.copy_(torch.cat([buf[:, offset + 1: offset + 1 + state_len - q_i], x_seq], dim=-1))
     return out
+
+
+def _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q) -> torch.Tensor:
+    """`_conv_update_loop` for a batch of q rows per sequence, in a few batched ops: the same
+    windows, one depthwise conv1d over the batch (per-sample arithmetic, so each sequence's
+    outputs are the per-sequence call's bits), SiLU per sequence (a tensor of exactly the
+    per-sequence call's shape: the elementwise kernel's vector/scalar split is the same), the
+    same rolled buffer. Pages are distinct (each running request owns its page)."""
+    n, dim = pages.numel(), x.size(-1)
+    state_len = conv_buf.size(-1)
+    pages_l = pages.long()
+    bufs = conv_buf.index_select(0, pages_l)  # [n, dim, state_len]
+    offset = num_accepted.long() - 1
+    x_seq = x.view(n, q, dim).transpose(1, 2).to(conv_buf.dtype)  # [n, dim, q]
+
+    def columns(start, count):  # per sequence: columns start[i] .. start[i] + count - 1
+        pos = start[:, None] + torch.arange(count, device=x.device)
+        return bufs.gather(2, pos[:, None, :].expand(n, dim, count))
+
+    y = F.conv1d(torch.cat([columns(offset, width - 1), x_seq], dim=-1), w, layer.conv1d.bias,
+                 groups=dim)  # [n, dim, q]
+    if layer.activation == "silu":
+        for y_i in y:
+            F.silu(y_i, inplace=True)
+    conv_buf.index_copy_(0, pages_l,
+                         torch.cat([columns(offset + 1, state_len - q), x_seq], dim=-1))
+    return y.transpose(1, 2).reshape(n * q, dim).to(x.dtype)
