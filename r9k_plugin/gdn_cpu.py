@@ -140,7 +140,7 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
             conv_state_indices=pages.to("cpu", torch.int32).contiguous(), is_weight_packed=True,
             num_accepted_tokens=num_accepted.to("cpu", torch.int32)).view_as(x)
     w = stock_cpu._unpacked_conv_weight(layer).unsqueeze(1)
-    if uniform:
+    if uniform and n > 1:  # one sequence: the loop is fewer ops
         q = int(seq_lens[0])
         if (q <= state_len and bool((pages != NULL_PAGE).all())
                 and bool(((num_accepted >= 1) & (num_accepted <= q)).all())):

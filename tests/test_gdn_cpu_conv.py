@@ -57,7 +57,7 @@ def test_batched_conv_is_the_loop(threads, monkeypatch):
 
 
 def test_batched_conv_takes_the_uniform_batch_only(monkeypatch):
-    """Mixed lengths, a null page or an accepted count of 0 keep vLLM's loop."""
+    """A single sequence, mixed lengths or a null page keep vLLM's loop."""
     calls = []
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(gdn_cpu.stock_cpu, "is_arm_bf16", lambda: False)
@@ -74,6 +74,10 @@ def test_batched_conv_takes_the_uniform_batch_only(monkeypatch):
     even = torch.tensor([0, 4, 8], dtype=torch.int32)
     gdn_cpu._conv_update(layer, x8, buf, torch.tensor([0, 2], dtype=torch.int32), even,
                          torch.tensor([1, 2], dtype=torch.int32), WIDTH)
+    assert calls == []
+    x4 = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    gdn_cpu._conv_update(layer, x4, buf, torch.tensor([3], dtype=torch.int32), even[:2],
+                         torch.tensor([2], dtype=torch.int32), WIDTH)  # one sequence
     assert calls == []
     gdn_cpu._conv_update(layer, x8, buf, torch.tensor([3, 2], dtype=torch.int32), even,
                          torch.tensor([1, 4], dtype=torch.int32), WIDTH)

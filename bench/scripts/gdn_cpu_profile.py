@@ -190,18 +190,28 @@ def _parts_patched(timer: _PartTimer):
 
 @contextmanager
 def _generic_state_machine():
-    """The one-page step as it ran before VllmCpuOps.verify_step: the generic state machine
-    (replay_accepted_rows, VllmCpuOps.verify, write_record)."""
+    """The one-page step as it ran before issue 14: the generic state machine
+    (replay_accepted_rows, VllmCpuOps.verify, write_record) and vLLM's per-sequence conv loop."""
+    from r9k import gdn_cpu
     from r9k.kernels import cpu as kcpu
 
     fused = kcpu.VllmCpuOps.__dict__.get("verify_step")
+    batched = getattr(gdn_cpu, "_conv_update_batched", None)
     if fused is not None:
         kcpu.VllmCpuOps.verify_step = None
+    if batched is not None:
+        def loop(layer, x, conv_buf, pages, num_accepted, width, w, q):
+            qsl = torch.arange(0, pages.numel() * q + 1, q, dtype=torch.int32)
+            return gdn_cpu._conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted,
+                                             width, w)
+        gdn_cpu._conv_update_batched = loop
     try:
         yield
     finally:
         if fused is not None:
             kcpu.VllmCpuOps.verify_step = fused
+        if batched is not None:
+            gdn_cpu._conv_update_batched = batched
 
 
 def _median_us(xs):
