@@ -95,9 +95,7 @@ def _acceptance_hist(llm, k: int) -> list[int]:
 
 def _prefix_cache_counts(llm) -> dict[str, int]:
     """Tokens looked up in and found in the prefix cache (vllm:prefix_cache_queries / _hits)."""
-    m = {x.name: x for x in llm.get_metrics()}
-    return {key: int(m[f"vllm:prefix_cache_{key}"].value) if f"vllm:prefix_cache_{key}" in m
-            else 0 for key in ("queries", "hits")}
+    return {key: _counter(llm, f"vllm:prefix_cache_{key}") for key in ("queries", "hits")}
 
 
 def _run_batch(llm, sc) -> list[list[int]]:

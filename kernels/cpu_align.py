@@ -156,15 +156,28 @@ def precopy_mamba_align_fused_kernel(
     """Pre-copy: a request whose running column moved (src >= 0, src != dst) copies its state
     from the previous column, conv window shifted by the accepted-token bias."""
     del COPY_BLOCK_SIZE, TEMPORAL_TILES  # GPU tiling only
-    if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
-        return
-    req, src, dst, bias = precopy_moves(mamba_state_idx_ptr, src_col_ptr, token_bias_ptr,
-                                        idx_mapping_ptr, num_reqs, HAS_IDX_MAPPING)
-    copy_state_blocks(req, src, dst, bias, block_table_ptrs_ptr,
-                      int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
-                      state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-                      state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-                      bool(CONV_STATE_DIM_FIRST))
+    run_precopy(mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
+                block_table_stride_req,
+                (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+                 state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+                 state_dim_row_count_ptr, state_dim_row_stride_ptr),
+                idx_mapping_ptr, num_reqs, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING)
+
+
+def run_precopy(mamba_state_idx, src_col, token_bias, block_table_ptrs, block_table_stride_req,
+                state_meta: tuple, idx_mapping, num_reqs, conv_state_dim_first: bool,
+                has_idx_mapping: bool, skip_states: frozenset[int] = frozenset()):
+    """The pre-copy for every state not in ``skip_states`` (``state_meta``: the kernel's eight
+    per-state arrays, base addresses first). Returns the moves (request slots, source and
+    destination columns, bias), for a caller that copies the skipped states its own way; None
+    when there is nothing to do."""
+    if num_reqs == 0 or state_meta[0].numel() == 0:
+        return None
+    req, src, dst, bias = precopy_moves(mamba_state_idx, src_col, token_bias, idx_mapping,
+                                        num_reqs, has_idx_mapping)
+    copy_state_blocks(req, src, dst, bias, block_table_ptrs, int(block_table_stride_req),
+                      *state_meta, bool(conv_state_dim_first), skip_states)
+    return req, src, dst, bias
 
 
 def boundary_moves(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
@@ -207,19 +220,39 @@ def postprocess_mamba_fused_kernel(
     the state at that boundary into the boundary's block; a boundary inside the running block
     resets the accepted count to 1."""
     del COPY_BLOCK_SIZE, TEMPORAL_TILES
-    if num_reqs == 0 or state_base_addrs_ptr.numel() == 0:
-        return
-    req, src, dst, bias, needs_copy, same_block = boundary_moves(
+    run_boundary_copy(
         num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-        num_computed_tokens_ptr, num_draft_tokens_ptr, idx_mapping_ptr, num_reqs, block_size,
-        HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED)
-    num_accepted_tokens_out_ptr[req[same_block]] = 1
+        num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
+        block_table_stride_req,
+        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+         state_dim_row_count_ptr, state_dim_row_stride_ptr),
+        num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size,
+        CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED)
+
+
+def run_boundary_copy(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
+                      num_computed_tokens, num_draft_tokens, block_table_ptrs,
+                      block_table_stride_req, state_meta: tuple, num_accepted_tokens_out,
+                      idx_mapping, num_reqs, block_size, conv_state_dim_first: bool,
+                      has_idx_mapping: bool, precomputed_new_computed: bool,
+                      skip_states: frozenset[int] = frozenset()):
+    """The boundary copy for every state not in ``skip_states`` (and the accepted-count reset).
+    Returns (request slots, running column, boundary column, bias, needs_copy) of every request
+    in launch order, for a caller that copies the skipped states its own way; None when there
+    is nothing to do."""
+    if num_reqs == 0 or state_meta[0].numel() == 0:
+        return None
+    req, src, dst, bias, needs_copy, same_block = boundary_moves(
+        num_accepted_tokens, mamba_state_idx, num_scheduled_tokens, num_computed_tokens,
+        num_draft_tokens, idx_mapping, num_reqs, block_size, has_idx_mapping,
+        precomputed_new_computed)
+    num_accepted_tokens_out[req[same_block]] = 1
     copy = needs_copy & ~(same_block & (bias == 0))
-    copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs_ptr,
-                      int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
-                      state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-                      state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-                      bool(CONV_STATE_DIM_FIRST))
+    copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs,
+                      int(block_table_stride_req), *state_meta, bool(conv_state_dim_first),
+                      skip_states)
+    return req, src, dst, bias, needs_copy
 
 
 # vLLM's qualified names of the kernels these replace (the dispatcher's keys)

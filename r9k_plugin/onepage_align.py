@@ -111,28 +111,19 @@ def precopy_mamba_align_fused_kernel(
     COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1,
 ) -> None:
     onepage = _onepage_states(state_base_addrs_ptr, state_group_indices_ptr)
-    if not onepage:
-        return cpu_align.precopy_mamba_align_fused_kernel(
-            mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-            block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
-            state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-            state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-            idx_mapping_ptr, num_reqs, COPY_BLOCK_SIZE, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING,
-            TEMPORAL_TILES)
-    if num_reqs == 0:
-        return
-    req, src, dst, bias = cpu_align.precopy_moves(mamba_state_idx_ptr, src_col_ptr,
-                                                  token_bias_ptr, idx_mapping_ptr, num_reqs,
-                                                  HAS_IDX_MAPPING)
-    cpu_align.copy_state_blocks(
-        req, src, dst, bias, block_table_ptrs_ptr, int(block_table_stride_req),
-        state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-        state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-        state_dim_row_count_ptr, state_dim_row_stride_ptr, bool(CONV_STATE_DIM_FIRST),
+    moves = cpu_align.run_precopy(
+        mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
+        block_table_stride_req,
+        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+         state_dim_row_count_ptr, state_dim_row_stride_ptr),
+        idx_mapping_ptr, num_reqs, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING,
         skip_states=frozenset(onepage))
-    # stock reads column src + bias = the state after accepted row `bias`: bias + 1 rows
-    _replay(onepage, req, src, dst, bias + 1, block_table_ptrs_ptr, block_table_stride_req,
-            state_group_indices_ptr)
+    if onepage and moves is not None:
+        req, src, dst, bias = moves
+        # stock reads column src + bias = the state after accepted row `bias`: bias + 1 rows
+        _replay(onepage, req, src, dst, bias + 1, block_table_ptrs_ptr, block_table_stride_req,
+                state_group_indices_ptr)
 
 
 def postprocess_mamba_fused_kernel(
@@ -145,34 +136,24 @@ def postprocess_mamba_fused_kernel(
     PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
 ) -> None:
     onepage = _onepage_states(state_base_addrs_ptr, state_group_indices_ptr)
-    if not onepage:
-        return cpu_align.postprocess_mamba_fused_kernel(
-            num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-            num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
-            block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
-            state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-            state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-            num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size, COPY_BLOCK_SIZE,
-            CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED, TEMPORAL_TILES)
-    if num_reqs == 0:
-        return
-    req, src, dst, bias, needs_copy, same_block = cpu_align.boundary_moves(
+    moves = cpu_align.run_boundary_copy(
         num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-        num_computed_tokens_ptr, num_draft_tokens_ptr, idx_mapping_ptr, num_reqs, block_size,
-        HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED)
-    num_accepted_tokens_out_ptr[req[same_block]] = 1
-    copy = needs_copy & ~(same_block & (bias == 0))
-    cpu_align.copy_state_blocks(
-        req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs_ptr,
-        int(block_table_stride_req), state_base_addrs_ptr, state_block_strides_ptr,
-        state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-        state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-        bool(CONV_STATE_DIM_FIRST), skip_states=frozenset(onepage))
-    # One-page replays for every boundary, the running page's own end with bias 0 included:
-    # stock's slot already holds that state there, one-page materializes it (the block gets
-    # cached and must hold a checkpoint, no live record).
-    _replay(onepage, req[needs_copy], src[needs_copy], dst[needs_copy], bias[needs_copy] + 1,
-            block_table_ptrs_ptr, block_table_stride_req, state_group_indices_ptr)
+        num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
+        block_table_stride_req,
+        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+         state_dim_row_count_ptr, state_dim_row_stride_ptr),
+        num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size,
+        CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED,
+        skip_states=frozenset(onepage))
+    if onepage and moves is not None:
+        req, src, dst, bias, needs_copy = moves
+        # One-page replays for every boundary, the running page's own end with bias 0
+        # included: stock's slot already holds that state there, one-page materializes it (the
+        # block gets cached and must hold a checkpoint, no live record).
+        _replay(onepage, req[needs_copy], src[needs_copy], dst[needs_copy],
+                bias[needs_copy] + 1, block_table_ptrs_ptr, block_table_stride_req,
+                state_group_indices_ptr)
 
 
 VLLM_KERNEL_NAMES = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,8 +15,10 @@ from click.testing import CliRunner
 from r9k.cli import main
 from r9k.devtools.demo import free_port
 from r9k.http_client import http_request
-from r9k.deploy.entry import EntryPoint, Route, serve
+from r9k.deploy.entry import EntryPoint, Route
 from r9k.monitoring.replicas import FleetStatus
+
+from doubles.entry_fleet import LoopServers, Table
 
 
 def fake_replica(name: str, delay_s: float = 0.0) -> web.Application:
@@ -42,55 +43,16 @@ def fake_replica(name: str, delay_s: float = 0.0) -> web.Application:
     return app
 
 
-class Table:
-    """A Backend: replicas by hand; admin calls recorded."""
-
-    def __init__(self, routes: list[Route]) -> None:
-        self.all = routes
-        self.ready = {r.name for r in routes}
-        self.calls: list[tuple[str, dict]] = []
-
-    def routes(self, model):
-        return [r for r in self.all if r.model == model and r.name in self.ready]
-
-    def model_names(self):
-        return ["m", "other"]
-
-    def states_line(self, model):
-        return ", ".join(f"{r.name} {'ready' if r.name in self.ready else 'loading'}"
-                         for r in self.all if r.model == model) or "no replicas configured"
-
-    def status(self):
-        return {"replicas": [{"name": r.name, "url": r.url, "model": r.model, "state": "ready", "tp": 1,
-                              "num_spec": 3, "page_mode": "onepage", "cards": ["0000:03:00.0"],
-                              "reason": None} for r in self.all], "stopped": []}
-
-    async def admin(self, action, body):
-        self.calls.append((action, body))
-        return 200, {"drained": ["m-0"]} if action == "drain" else {"restarted": []}
-
-
 @pytest.fixture(scope="module")
 def env():
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
-    runners, routes = [], []
-    for name in ("m-0", "m-1"):
-        port = free_port()
-        runner = web.AppRunner(fake_replica(name))
-        run(runner.setup())
-        run(web.TCPSite(runner, "127.0.0.1", port).start())
-        runners.append(runner)
-        routes.append(Route(name, "m", f"http://127.0.0.1:{port}", api_key="replica-key"))
+    servers = LoopServers()
+    routes = [Route(name, "m", servers.app(fake_replica(name)), api_key="replica-key")
+              for name in ("m-0", "m-1")]
     dead = Route("m-dead", "m", f"http://127.0.0.1:{free_port()}", outstanding=-5, api_key="replica-key")
     table = Table(routes + [dead])
-    entry_port = free_port()
-    runners.append(run(serve(EntryPoint(table, api_key="fleet-key"), "127.0.0.1", entry_port)))
-    yield type("Env", (), {"url": f"http://127.0.0.1:{entry_port}", "table": table, "dead": dead})
-    for r in runners:
-        run(r.cleanup())
-    loop.call_soon_threadsafe(loop.stop)
+    url = servers.entry(EntryPoint(table, api_key="fleet-key"))
+    yield type("Env", (), {"url": url, "table": table, "dead": dead})
+    servers.close()
 
 
 AUTH = {"Authorization": "Bearer fleet-key"}

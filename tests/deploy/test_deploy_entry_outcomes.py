@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 from aiohttp import web
 
-from r9k.deploy.entry import EntryPoint, Route, serve
+from r9k.deploy.entry import EntryPoint, Route
 from r9k.devtools.demo import free_port
 from r9k.http_client import http_request
+
+from doubles.entry_fleet import LoopServers, Table
 
 
 def replica_app(name: str, mode: str) -> web.Application:
@@ -36,49 +37,17 @@ def replica_app(name: str, mode: str) -> web.Application:
     return app
 
 
-class Table:
-    def __init__(self, routes):
-        self.all, self.ready = routes, {r.name for r in routes}
-
-    def routes(self, model):
-        return [r for r in self.all if r.name in self.ready]
-
-    def model_names(self):
-        return ["m"]
-
-    def states_line(self, model):
-        return "none ready"
-
-    def status(self):
-        return {"replicas": [], "stopped": []}
-
-    async def admin(self, action, body):
-        return 200, {}
-
-
 @pytest.fixture
 def fleet():
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
-    runners, routes = [], []
-    for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken")):
-        port = free_port()
-        runner = web.AppRunner(replica_app(name, mode))
-        run(runner.setup())
-        run(web.TCPSite(runner, "127.0.0.1", port).start())
-        runners.append(runner)
-        routes.append(Route(name, "m", f"http://127.0.0.1:{port}"))
+    servers = LoopServers()
+    routes = [Route(name, "m", servers.app(replica_app(name, mode)))
+              for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken"))]
     for name in ("dead-1", "dead-2"):
         routes.append(Route(name, "m", f"http://127.0.0.1:{free_port()}", outstanding=-9))
     table = Table(routes)
     entry = EntryPoint(table, routing="least-outstanding")
-    port = free_port()
-    runners.append(run(serve(entry, "127.0.0.1", port)))
-    yield type("F", (), {"url": f"http://127.0.0.1:{port}", "table": table, "entry": entry})
-    for r in runners:
-        run(r.cleanup())
-    loop.call_soon_threadsafe(loop.stop)
+    yield type("F", (), {"url": servers.entry(entry), "table": table, "entry": entry})
+    servers.close()
 
 
 def post(f, body):

@@ -2,9 +2,7 @@
 engines' reported pool over real HTTP (fake OpenAI replicas, no engine)."""
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections import Counter
 
@@ -12,12 +10,13 @@ import pytest
 from aiohttp import web
 
 from r9k.deploy.config import FleetConfigError, parse_fleet
-from r9k.deploy.entry import EntryPoint, Route, serve
+from r9k.deploy.entry import EntryPoint, Route
 from r9k.deploy.routing import (
     AFFINITY_LOAD_FACTOR, MIN_FREE_POOL, STALE_S, EngineLoad, choose, pool_score, prefix_key,
     rendezvous, requests_ahead)
-from r9k.devtools.demo import free_port
 from r9k.http_client import http_request
+
+from doubles.entry_fleet import LoopServers, Table
 
 NOW = 1000.0
 
@@ -126,31 +125,8 @@ def test_fleet_config_names_the_routing_policies():
     assert parse_fleet(fleet({})).entry.routing == "pool-aware"
 
 
-class _Table:
-    def __init__(self, routes):
-        self.all = routes
-
-    def routes(self, model):
-        return list(self.all)
-
-    def model_names(self):
-        return ["m"]
-
-    def states_line(self, model):
-        return ""
-
-    def status(self):
-        return {"replicas": [], "stopped": []}
-
-    async def admin(self, action, body):
-        return 200, {}
-
-
 def test_entry_point_routes_by_the_reported_pool_over_http():
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
-    runners, routes = [], []
+    servers = LoopServers()
 
     def app(name):
         a = web.Application()
@@ -161,26 +137,16 @@ def test_entry_point_routes_by_the_reported_pool_over_http():
         return a
 
     try:
-        for name in ("stock", "onepage"):
-            port = free_port()
-            runner = web.AppRunner(app(name))
-            run(runner.setup())
-            run(web.TCPSite(runner, "127.0.0.1", port).start())
-            runners.append(runner)
-            routes.append(Route(name, "m", f"http://127.0.0.1:{port}"))
-        entry_port = free_port()
-        entry = EntryPoint(_Table(routes), routing="pool-aware")
-        runners.append(run(serve(entry, "127.0.0.1", entry_port)))
+        routes = [Route(name, "m", servers.app(app(name))) for name in ("stock", "onepage")]
+        url = servers.entry(EntryPoint(Table(routes), routing="pool-aware"))
         now = time.monotonic()
         routes[0].engine = EngineLoad(6, 2, 0.97, now)   # stock: pool nearly full, queueing
         routes[1].engine = EngineLoad(8, 0, 0.45, now)   # one-page: more running, room left
-        got = [http_request(f"http://127.0.0.1:{entry_port}/v1/completions", method="POST",
+        got = [http_request(f"{url}/v1/completions", method="POST",
                             json_body={"model": "m", "prompt": "x"}, timeout_s=10).json()["replica"]
                for _ in range(5)]
         assert got == ["onepage"] * 5
         with pytest.raises(ValueError, match="not one of"):
-            EntryPoint(_Table(routes), routing="random")
+            EntryPoint(Table(routes), routing="random")
     finally:
-        for r in runners:
-            run(r.cleanup())
-        loop.call_soon_threadsafe(loop.stop)
+        servers.close()
