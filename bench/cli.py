@@ -315,8 +315,14 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--prefix-caching/--no-prefix-caching", default=None,
               help="started replicas: vLLM prefix caching (align); default on with "
               "--workload shared-prefix, off otherwise")
+@click.option("--client", type=click.Choice(["r9k", "vllm"]), default="r9k", show_default=True,
+              help="load generator: this package's closed-loop client, or vLLM's `vllm bench "
+              "serve` (random dataset at fixed lengths, --max-concurrency; unique workload only)")
+@click.option("--sample-interval", "sample_interval_s", type=click.FloatRange(0.05), default=0.5,
+              show_default=True, help="seconds between /metrics samples while a level runs")
 @click.option("--model-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              default=None, help="checkpoint to serve (default: the tiny model, made in --workdir)")
+              default=None, help="checkpoint to serve (default: the tiny model, made in --workdir); "
+              "with --client vllm and external endpoints, its tokenizer")
 @click.option("--num-spec", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--kv-mib", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--max-model-len", type=click.IntRange(16), default=4096, show_default=True)
@@ -335,12 +341,14 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt_tokens: int,
             output_tokens: int, workload: str, prefix_tokens: int, prefix_groups: int,
-            prefix_caching: bool | None, model_dir: Path | None, num_spec: int, kv_mib: int,
+            prefix_caching: bool | None, client: str, sample_interval_s: float,
+            model_dir: Path | None, num_spec: int, kv_mib: int,
             max_model_len: int, max_num_seqs: int, engine_cpus: str | None,
             client_cpus: str | None, stock_endpoint: str | None, onepage_endpoint: str | None,
             workdir: Path, out_prefix: Path | None, timeout_s: float, as_json: bool,
             quiet: bool) -> None:
-    """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share;
+    """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share,
+    the replica's running/waiting requests and preemptions beside the planner's running requests;
     with --workload shared-prefix also the prefix-cache hit rate."""
     import contextlib
 
@@ -359,9 +367,14 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         raise BadInput(f"--prefix-tokens {prefix_tokens} + --prompt-tokens {prompt_tokens} + "
                        f"--output-tokens {output_tokens} > --max-model-len {max_model_len}: "
                        f"expected requests that fit")
+    if shared and client == "vllm":
+        raise BadInput("--client vllm with --workload shared-prefix: vLLM's client has no "
+                       "equivalent dataset (its prefix_repetition differs); expected --client "
+                       "r9k or --workload unique")
     w = cmp.Workload(concurrencies, requests_per_level, prompt_tokens, output_tokens,
                      timeout_s=timeout_s, prefix_tokens=prefix_tokens if shared else 0,
-                     prefix_groups=prefix_groups if shared else 1)
+                     prefix_groups=prefix_groups if shared else 1, client=client,
+                     sample_interval_s=sample_interval_s)
     kv_bytes = kv_mib << 20
     logged: dict[str, int | None] = {}
     if stock_endpoint is not None:
@@ -372,7 +385,8 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
             models.add(model)
         if len(models) != 1:
             raise BadInput(f"the two endpoints serve different models {sorted(models)}: expected one")
-        replicas = cmp.external_replica(urls, models.pop())
+        replicas = cmp.external_replica(urls, models.pop(),
+                                        str(model_dir) if model_dir is not None else None)
     else:
         model_path = model_dir or tiny_model(workdir)
 
@@ -386,8 +400,8 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                                extra_args=("--enable-prompt-tokens-details",)
                                if prefix_caching else ()) as server:
                 logged[mode] = server.kv_tokens()
-                yield {"url": server.url, "model": "tiny", "kv_cache_tokens": logged[mode],
-                       "ready_s": server.ready_s}
+                yield {"url": server.url, "model": "tiny", "tokenizer": str(model_path),
+                       "kv_cache_tokens": logged[mode], "ready_s": server.ready_s}
     partial_json = out_prefix.with_suffix(".json") if out_prefix is not None else None
     result = cmp.run_compare(replicas, w, repeats=repeats, progress=not quiet,
                              report=lambda line: click.echo(line, err=True),

@@ -10,14 +10,23 @@ Two workloads: `unique` (every prompt its own) and `shared-prefix` (groups of re
 prefix several KV blocks long, each with a short unique suffix, the shape of vLLM's
 prefix-repetition benchmark dataset), for which each level also reports the prefix-cache hit rate
 from the replica's own counters over that level.
+
+While a level runs, the replica's scheduler gauges (running, waiting, KV usage, preemptions) are
+sampled from its /metrics, so a pool-bound run shows the engine queueing against the planner's
+prediction of how many requests the pool holds. The load comes from this package's client, or
+(`client="vllm"`, unique prompts) from vLLM's own `vllm bench serve` library.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import math
 import random
+import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -41,6 +50,8 @@ class Workload:
     timeout_s: float = 600
     prefix_tokens: int = 0           # > 0: shared-prefix workload, prompt_tokens is the suffix
     prefix_groups: int = 1           # requests of a level spread over this many prefixes
+    client: str = "r9k"              # load generator: "r9k" (bench.client) or "vllm" (bench serve)
+    sample_interval_s: float = 0.5   # /metrics sampling while a level runs
 
     @property
     def kind(self) -> str:
@@ -135,7 +146,153 @@ def replica_info(base: str) -> dict[str, Any]:
             "block_size": m.block_size, "num_blocks": m.num_blocks}
 
 
-def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int) -> dict[str, Any]:
+@dataclass
+class PoolSample:
+    t_s: float                       # since the level started
+    running: float | None            # vllm:num_requests_running
+    waiting: float | None            # vllm:num_requests_waiting
+    kv_usage: float | None           # vllm:kv_cache_usage_perc (0..1)
+    preemptions: float | None        # vllm:num_preemptions_total (counter)
+
+
+def pool_sample(metrics_text: str | None, t_s: float) -> PoolSample | None:
+    """The scheduler gauges on one /metrics page; None when there is no page or it is not
+    Prometheus text."""
+    if metrics_text is None:
+        return None
+    try:
+        m = parse_vllm_metrics(metrics_text)
+    except ValueError:
+        return None
+    return PoolSample(t_s, m.running, m.waiting, m.kv_usage_ratio, m.preemptions)
+
+
+def pool_summary(samples: list[PoolSample], interval_s: float) -> dict[str, Any]:
+    """Peaks over a level, preemptions as the counter's rise from the first sample to the last
+    (None when either lacks it or it went backwards: the replica restarted), and the series."""
+    def peak(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return max(present) if present else None
+    first = samples[0].preemptions if samples else None
+    last = samples[-1].preemptions if samples else None
+    preempted = last - first if first is not None and last is not None and last >= first else None
+    return {"interval_s": interval_s, "samples": len(samples),
+            "peak_running": peak([s.running for s in samples]),
+            "peak_waiting": peak([s.waiting for s in samples]),
+            "peak_kv_usage": peak([s.kv_usage for s in samples]),
+            "preemptions": None if preempted is None else int(preempted),
+            "series": {k: [getattr(s, k) for s in samples]
+                       for k in ("t_s", "running", "waiting", "kv_usage")}}
+
+
+class PoolSampler:
+    """Samples a replica's scheduler gauges while a level runs: once on entry, every
+    `interval_s` from a thread (so it runs beside any load generator, ours or vLLM's), once on
+    exit, so the preemption count covers the whole level."""
+
+    def __init__(self, read_text: Callable[[], str | None], interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read_text, self.interval_s, self.clock = read_text, interval_s, clock
+        self.samples: list[PoolSample] = []
+        self._t0 = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        s = pool_sample(self.read_text(), round(self.clock() - self._t0, 3))
+        if s is not None:
+            self.samples.append(s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "PoolSampler":
+        self._t0 = self.clock()
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="pool-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+
+    def summary(self) -> dict[str, Any]:
+        return pool_summary(self.samples, self.interval_s)
+
+
+def vllm_bench_argv(base: str, model: str, tokenizer: str, w: Workload, concurrency: int,
+                    n: int, seed: int, progress: bool) -> list[str]:
+    """`vllm bench serve` options for this workload: fixed-length random prompts (range ratio 0),
+    fixed output with ignore_eos, greedy, all requests at once behind a semaphore of
+    `concurrency` (a closed loop), streamed completions; TTFT percentiles 50/90/99."""
+    argv = ["--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+            "--random-input-len", str(w.prompt_tokens), "--random-output-len",
+            str(w.output_tokens), "--random-range-ratio", "0", "--num-prompts", str(n),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+            "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
+            "--metric-percentiles", "50,90,99"]
+    return argv if progress else [*argv, "--disable-tqdm"]
+
+
+def level_from_vllm_bench(res: dict[str, Any], concurrency: int, n: int) -> dict[str, Any]:
+    """A level in this module's shape from `vllm bench serve`'s result: its output throughput
+    (output tokens / duration, as ours), TTFT percentiles, TPOT median as decode rate."""
+    ms = 1e-3
+    errors = [e for e in res.get("errors") or [] if e]
+    tpot = res.get("median_tpot_ms")
+    ok = int(res["completed"])
+    return {"concurrency": concurrency, "requests": n, "ok": ok,
+            "errors": int(res.get("failed") or 0), "stopped_early": None,
+            "error_samples": [{"message": e[:300]} for e in errors[:5]],
+            "wall_s": round(res["duration"], 3), "output_tokens": int(res["total_output_tokens"]),
+            "output_tokens_per_s": res["output_throughput"],
+            "prompt_tokens": int(res["total_input_tokens"]),
+            "prefix_cache": {"queries": None, "hits": None, "hit_rate": None},
+            "cached_tokens_per_request": None,
+            "ttft_s": {"n": ok, "mean": res["mean_ttft_ms"] * ms,
+                       **{f"p{p}": res[f"p{p}_ttft_ms"] * ms for p in (50, 90, 99)}},
+            "decode_tokens_per_s_per_request": {"n": ok, "p50": 1000 / tpot} if tpot else {"n": 0},
+            "client": "vllm bench serve",
+            "vllm_bench": {k: res.get(k) for k in (
+                "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput",
+                "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                "max_concurrent_requests", "spec_decode_acceptance_rate",
+                "spec_decode_acceptance_length")}}
+
+
+@functools.cache
+def _vllm_bench_lib() -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser, main
+
+
+def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
+    """vLLM's benchmark client as a library call (its prints go to stderr)."""
+    parser, main = _vllm_bench_lib()
+    with contextlib.redirect_stdout(sys.stderr):
+        return main(parser.parse_args(argv))
+
+
+def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int,
+              tokenizer: str | None = None, progress: bool = False,
+              vllm_bench: Callable[[list[str]], dict[str, Any]] = run_vllm_bench) -> dict[str, Any]:
+    if w.client == "vllm":
+        n = w.requests_at(concurrency)
+        argv = vllm_bench_argv(base, model, tokenizer or model, w, concurrency, n, seed, progress)
+        if vllm_bench is run_vllm_bench:
+            _vllm_bench_lib()  # the first import takes ~15 s: not inside the sampled level
+        with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler:
+            lv = level_from_vllm_bench(vllm_bench(argv), concurrency, n)
+        return {**lv, "pool": sampler.summary()}
     rng = random.Random(seed)
     n = w.requests_at(concurrency)
     if w.prefix_tokens:
@@ -154,9 +311,10 @@ def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int) -
             return await drive(make_payload, session, base, concurrency=concurrency, total=n,
                                timeout_s=w.timeout_s)
     counts_before = _prefix_counts_at(base)
-    t0 = time.monotonic()
-    results, stop_reason = asyncio.run(go())
-    wall = time.monotonic() - t0
+    with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler:
+        t0 = time.monotonic()
+        results, stop_reason = asyncio.run(go())
+        wall = time.monotonic() - t0
     prefix_cache = prefix_cache_delta(counts_before, _prefix_counts_at(base))
     ok = [r for r in results if r.status == "ok"]
     out_tokens = sum(r.completion_tokens or 0 for r in ok)
@@ -172,19 +330,21 @@ def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int) -
             "prefix_cache": prefix_cache,
             "cached_tokens_per_request": cached_token_counts(ok),
             "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None], (50, 90)),
-            "decode_tokens_per_s_per_request": summarize(decode, (50,))}
+            "decode_tokens_per_s_per_request": summarize(decode, (50,)),
+            "pool": sampler.summary()}
 
 
 Replica = Callable[[str, int], ContextManager[dict[str, Any]]]
-"""(mode, repeat) -> context giving {"url", "model", "kv_cache_tokens"?, "ready_s"?}."""
+"""(mode, repeat) -> context giving {"url", "model", "tokenizer"?, "kv_cache_tokens"?,
+"ready_s"?}."""
 
 
-def external_replica(urls: dict[str, str], model: str) -> Replica:
+def external_replica(urls: dict[str, str], model: str, tokenizer: str | None = None) -> Replica:
     """Replicas someone else started (a GPU host, the fleet): measured as they are (their prefix
     caching is whatever they were started with)."""
     @contextlib.contextmanager
     def open_(mode: str, repeat: int) -> Iterator[dict[str, Any]]:
-        yield {"url": urls[mode], "model": model}
+        yield {"url": urls[mode], "model": model, "tokenizer": tokenizer}
     return open_
 
 
@@ -215,7 +375,8 @@ def run_compare(replica: Replica, w: Workload, *, repeats: int, progress: bool =
                         [1], w.warmup_requests, w.prompt_tokens, w.output_tokens, 0, w.timeout_s),
                         1, seed=-1)
                     for c in w.concurrencies:
-                        lv = run_level(r["url"], r["model"], w, c, seed=c)
+                        lv = run_level(r["url"], r["model"], w, c, seed=c,
+                                       tokenizer=r.get("tokenizer"))
                         levels.append(lv)
                         bar.update()
                         if lv["errors"]:
@@ -273,7 +434,11 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
                           [lv.get("cached_tokens_per_request") for lv in lvs]),
                       "decode_tokens_per_s_per_request_p50": spread(
                           [lv["decode_tokens_per_s_per_request"]["p50"] for lv in lvs
-                           if lv["decode_tokens_per_s_per_request"].get("p50") is not None])}
+                           if lv["decode_tokens_per_s_per_request"].get("p50") is not None]),
+                      **{key: spread([lv["pool"][key] for lv in lvs
+                                      if (lv.get("pool") or {}).get(key) is not None])
+                         for key in ("peak_running", "peak_waiting", "peak_kv_usage",
+                                     "preemptions")}}
         paired = sorted(set(per_mode["stock"]) & set(per_mode["onepage"]))
         row["throughput_ratio_onepage_over_stock"] = spread(
             [per_mode["onepage"][r]["output_tokens_per_s"] / per_mode["stock"][r]["output_tokens_per_s"]
@@ -309,11 +474,28 @@ def capacity_block(model_dir: Path, *, num_spec: int, kv_bytes: int, max_model_l
     p = cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                  max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
                  running=max_num_seqs, prefix_caching=prefix_caching)
+    pools = {"stock": p.stock, "onepage": p.onepage}
     return {"prefix_caching": prefix_caching,
             "planner_tokens": {"stock": p.stock.tokens, "onepage": p.onepage.tokens},
             "planner_ratio": p.ratio, "num_blocks": {"stock": p.stock.num_blocks,
                                                      "onepage": p.onepage.num_blocks},
+            "max_concurrency": {m: pool.max_concurrency for m, pool in pools.items()},
+            "requests_fit": {m: requests_fit(pool) for m, pool in pools.items()},
+            "max_num_seqs": max_num_seqs,
             "pinned_fraction_by_concurrency": pinned, "plan": p.public()}
+
+
+def requests_fit(pool: cap.PoolPlan) -> int:
+    """Whole requests of max_model_len the engine runs at once: the planner's max_concurrency
+    (num_blocks / blocks_per_request, as vLLM logs it) counts vLLM's null block, which no request
+    gets (the planner's `starts` leaves it out too), and admits whole requests only."""
+    return (pool.num_blocks - 1) // pool.blocks_per_request
+
+
+def expected_running(capb: dict[str, Any], mode: str, concurrency: int) -> int:
+    """What the planner says the engine runs with `concurrency` clients: the clients, capped
+    by max_num_seqs and by the whole requests the pool holds."""
+    return min(concurrency, capb["max_num_seqs"], capb["requests_fit"][mode])
 
 
 def _median_range(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
@@ -370,9 +552,12 @@ def markdown(result: dict[str, Any]) -> str:
     if w.get("prefix_tokens"):
         lines += shared_prefix_markdown(result)
         return _capacity_markdown(result, lines)
+    client = ("vLLM's `vllm bench serve` (random dataset, fixed lengths, --max-concurrency)"
+              if w.get("client") == "vllm" else "r9k bench client (closed loop)")
     lines += [f"Workload: prompt {w['prompt_tokens']} tokens, {w['output_tokens']} output tokens "
               f"(greedy, ignore_eos), >= {w['requests_per_level']} requests per level; "
-              f"{result['repeats']} repeats, order alternated; errors: {result['errors']}.", "",
+              f"{result['repeats']} repeats, order alternated; errors: {result['errors']}; "
+              f"load: {client}.", "",
               "| concurrency | stock tok/s | one-page tok/s | ratio one-page/stock (min..max) "
               "| TTFT p50 stock | TTFT p50 one-page |",
               "|---:|---:|---:|---:|---:|---:|"]
@@ -385,10 +570,45 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {row['concurrency']} | {s['output_tokens_per_s']['mean']:.1f} | "
             f"{o['output_tokens_per_s']['mean']:.1f} | {r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f}) | "
             f"{1000 * s['ttft_p50_s']['mean']:.0f} ms | {1000 * o['ttft_p50_s']['mean']:.0f} ms |")
+    cross = crossover(result["by_concurrency"])
+    if cross:
+        lines += ["", f"Crossover: the median ratio rises through 1 between concurrency "
+                  f"{cross['below']} and {cross['above']} (~{cross['concurrency']:.1f}, "
+                  f"interpolated on log2 concurrency)."]
     return _capacity_markdown(result, lines)
 
 
+def pool_markdown(result: dict[str, Any]) -> list[str]:
+    """Observed scheduler peaks (/metrics samples) beside the planner's prediction, per level."""
+    rows = [row for row in result["by_concurrency"]
+            if any(row[m].get("peak_running", {}).get("n") for m in MODES)]
+    if not rows:
+        return []
+    capb = result.get("capacity")
+    interval = (result["workload"].get("sample_interval_s") or 0.5)
+    lines = ["", f"Scheduler over each level (the replica's /metrics every {interval:g} s): "
+             "peak running and waiting requests, peak KV usage, preemptions over the level; "
+             "median over repeats (min..max). Planner: whole requests of max_model_len the "
+             "pool holds ((num_blocks - 1) // blocks per request; vLLM logs num_blocks / blocks "
+             "per request), capped by the clients and max_num_seqs.", "",
+             "| concurrency | mode | planner running | observed peak running | peak waiting "
+             "| peak KV usage | preemptions |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        for m, label in (("stock", "stock"), ("onepage", "one-page")):
+            x = row[m]
+            planned = "-" if not capb else (
+                f"{expected_running(capb, m, row['concurrency'])} "
+                f"(pool {capb['max_concurrency'][m]:.2f}x)")
+            lines.append(f"| {row['concurrency']} | {label} | {planned} | "
+                         f"{_median_range(x.get('peak_running', {}), '.0f')} | "
+                         f"{_median_range(x.get('peak_waiting', {}), '.0f')} | "
+                         f"{_median_range(x.get('peak_kv_usage', {}), '.0%')} | "
+                         f"{_median_range(x.get('preemptions', {}), '.0f')} |")
+    return lines
+
+
 def _capacity_markdown(result: dict[str, Any], lines: list[str]) -> str:
+    lines = lines + pool_markdown(result)
     capb = result.get("capacity")
     if capb:
         kv = result.get("kv_cache_tokens_logged", {})
@@ -405,7 +625,36 @@ def _capacity_markdown(result: dict[str, Any], lines: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def crossover(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the median one-page/stock throughput ratio first rises through 1 going up in
+    concurrency: the pair of levels around it and the crossing, interpolated on log2
+    concurrency (the plot's axis); None when it never crosses upward (or starts at >= 1)."""
+    pts = [(r["concurrency"], r["throughput_ratio_onepage_over_stock"]["median"]) for r in rows
+           if r["throughput_ratio_onepage_over_stock"].get("n")]
+    for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+        if r0 < 1 <= r1:
+            x0, x1 = math.log2(c0), math.log2(c1)
+            at = 2 ** (x0 + (1 - r0) * (x1 - x0) / (r1 - r0))
+            return {"below": c0, "above": c1, "concurrency": at}
+    return None
+
+
+def _pool_series_run(result: dict[str, Any], mode: str) -> tuple[int, dict[str, Any]] | None:
+    """The highest level of the first run of `mode` that has a sampled series."""
+    for run in result.get("runs") or []:
+        if run["mode"] != mode:
+            continue
+        levels = [lv for lv in run["levels"] if (lv.get("pool") or {}).get("samples")]
+        if levels:
+            lv = max(levels, key=lambda lv: lv["concurrency"])
+            return lv["concurrency"], lv["pool"]
+    return None
+
+
 def plot(result: dict[str, Any], path: Path) -> bool:
+    """Throughput per mode and the ratio against concurrency (the upward crossover of 1 marked
+    when there is one); with sampled levels, running and waiting requests over time at the
+    highest level, one replica run per mode, beside the planner's running requests."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -417,7 +666,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     if not rows:
         return False
     cs = [r["concurrency"] for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {m: _pool_series_run(result, m) for m in MODES}
+    with_pool = all(series.values())
+    fig, axes = plt.subplots(1, 3 if with_pool else 2, figsize=(15 if with_pool else 10, 4))
+    a1, a2 = axes[0], axes[1]
     for m, label in (("stock", "stock pages"), ("onepage", "one-page")):
         mean = [r[m]["output_tokens_per_s"]["mean"] for r in rows]
         lo = [r[m]["output_tokens_per_s"]["mean"] - r[m]["output_tokens_per_s"]["min"] for r in rows]
@@ -426,16 +678,40 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     a1.set_xlabel("concurrency")
     a1.set_ylabel("output tokens/s")
     a1.set_xscale("log", base=2)
-    a1.legend()
     a1.set_title("decode throughput (min..max over repeats)")
     ratio = [r["throughput_ratio_onepage_over_stock"] for r in rows]
-    a2.errorbar(cs, [x["mean"] for x in ratio],
-                yerr=[[x["mean"] - x["min"] for x in ratio], [x["max"] - x["mean"] for x in ratio]],
+    a2.errorbar(cs, [x["median"] for x in ratio],
+                yerr=[[x["median"] - x["min"] for x in ratio],
+                      [x["max"] - x["median"] for x in ratio]],
                 marker="o", capsize=3, color="C2")
     a2.axhline(1.0, color="grey", lw=0.8)
     a2.set_xscale("log", base=2)
     a2.set_xlabel("concurrency")
-    a2.set_title("throughput ratio one-page / stock")
+    a2.set_title("throughput ratio one-page / stock (median, min..max)")
+    cross = crossover(rows)
+    if cross:
+        for ax in (a1, a2):
+            ax.axvline(cross["concurrency"], color="C3", ls="--", lw=1,
+                       label=f"crossover ~{cross['concurrency']:.1f}")
+        a2.legend(loc="upper left")
+    a1.legend()
+    if with_pool:
+        a3 = axes[2]
+        capb = result.get("capacity")
+        for i, (m, label) in enumerate((("stock", "stock"), ("onepage", "one-page"))):
+            c, pool = series[m]
+            ts = pool["series"]["t_s"]
+            a3.step(ts, pool["series"]["running"], where="post", color=f"C{i}",
+                    label=f"{label} running (x{c})")
+            a3.step(ts, pool["series"]["waiting"], where="post", color=f"C{i}", ls=":",
+                    label=f"{label} waiting")
+            if capb:
+                a3.axhline(expected_running(capb, m, c), color=f"C{i}", lw=0.8, ls="--",
+                           label=f"{label} planner running")
+        a3.set_xlabel("seconds into the level")
+        a3.set_ylabel("requests")
+        a3.set_title("engine scheduler (/metrics), first repeat")
+        a3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
