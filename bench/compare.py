@@ -558,9 +558,10 @@ def markdown(result: dict[str, Any]) -> str:
               f"(greedy, ignore_eos), >= {w['requests_per_level']} requests per level; "
               f"{result['repeats']} repeats, order alternated; errors: {result['errors']}; "
               f"load: {client}.", "",
+              "Means over repeats; ratios paired within a repeat, mean (min..max) and median.", "",
               "| concurrency | stock tok/s | one-page tok/s | ratio one-page/stock (min..max) "
-              "| TTFT p50 stock | TTFT p50 one-page |",
-              "|---:|---:|---:|---:|---:|---:|"]
+              "| TTFT p50 stock | TTFT p50 one-page | ratio median | TTFT p50 ratio median |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["by_concurrency"]:
         s, o = row["stock"], row["onepage"]
         r = row["throughput_ratio_onepage_over_stock"]
@@ -569,7 +570,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['concurrency']} | {s['output_tokens_per_s']['mean']:.1f} | "
             f"{o['output_tokens_per_s']['mean']:.1f} | {r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f}) | "
-            f"{1000 * s['ttft_p50_s']['mean']:.0f} ms | {1000 * o['ttft_p50_s']['mean']:.0f} ms |")
+            f"{1000 * s['ttft_p50_s']['mean']:.0f} ms | {1000 * o['ttft_p50_s']['mean']:.0f} ms | "
+            f"{r['median']:.3f} | {_median_range(row['ttft_ratio_onepage_over_stock'], '.3f')} |")
     cross = crossover(result["by_concurrency"])
     if cross:
         lines += ["", f"Crossover: the median ratio rises through 1 between concurrency "
@@ -678,7 +680,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     a1.set_xlabel("concurrency")
     a1.set_ylabel("output tokens/s")
     a1.set_xscale("log", base=2)
-    a1.set_title("decode throughput (min..max over repeats)")
+    a1.set_title("output throughput (mean, min..max over repeats)")
     ratio = [r["throughput_ratio_onepage_over_stock"] for r in rows]
     a2.errorbar(cs, [x["median"] for x in ratio],
                 yerr=[[x["median"] - x["min"] for x in ratio],

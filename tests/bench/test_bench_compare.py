@@ -30,7 +30,10 @@ def test_ratios_are_paired_within_repeats():
     assert r4["ttft_ratio_onepage_over_stock"]["mean"] == pytest.approx(0.5)
     assert r4["stock"]["output_tokens_per_s"]["mean"] == 300 and agg["errors"] == 2
     md = markdown({"workload": w.__dict__, "repeats": 2, **agg})
-    assert "| 1 | 100.0 | 100.0 | 1.000 (0.900..1.100) |" in md
+    assert ("| 1 | 100.0 | 100.0 | 1.000 (0.900..1.100) | 100 ms | 100 ms | 1.000 "
+            "| 1.000 (1.000..1.000) |") in md
+    assert ("| 4 | 300.0 | 300.0 | 1.000 (0.900..1.100) | 200 ms | 100 ms | 1.000 "
+            "| 0.500 (0.500..0.500) |") in md
 
 
 def test_capacity_block_comes_from_the_planner(tmp_path):

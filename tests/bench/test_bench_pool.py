@@ -198,3 +198,28 @@ def test_vllm_bench_parser_takes_the_workload():
     assert args.ignore_eos and args.temperature == 0 and args.seed == 3
     assert args.base_url == "http://127.0.0.1:1" and args.endpoint == "/v1/completions"
     assert args.metric_percentiles == "50,90,99" and not args.disable_tqdm
+
+
+def test_compare_records_the_scheduler_per_level_and_refuses_vllm_shared_prefix(tmp_path):
+    from click.testing import CliRunner
+
+    from doubles.fake_openai import FakeOpenAI
+    from r9k.cli import main
+    with FakeOpenAI(token_delay_s=0.001) as a, FakeOpenAI(token_delay_s=0.001) as b:
+        prefix = tmp_path / "cmp"
+        r = CliRunner().invoke(main, [
+            "bench", "compare", "--stock-endpoint", a.url, "--onepage-endpoint", b.url,
+            "--concurrency", "2", "--repeats", "1", "--requests-per-level", "4",
+            "--prompt-tokens", "16", "--output-tokens", "4", "--sample-interval", "3600",
+            "--quiet", "--out-prefix", str(prefix)])
+        assert r.exit_code == 0, r.output
+    import json
+    res = json.loads(prefix.with_suffix(".json").read_text())
+    assert res["workload"]["client"] == "r9k" and res["workload"]["sample_interval_s"] == 3600
+    for run in res["runs"]:
+        pool = run["levels"][0]["pool"]
+        # entry and exit samples; the double's /metrics has no scheduler gauges
+        assert pool["samples"] == 2 and pool["peak_running"] is None
+    r = CliRunner().invoke(main, ["bench", "compare", "--workload", "shared-prefix",
+                                  "--client", "vllm"])
+    assert r.exit_code == 2 and "no equivalent dataset" in r.output, r.output
