@@ -67,3 +67,38 @@ def test_plugin_registers_the_ports_on_vllm_cpu():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr[-2000:]
+
+
+def test_gpu_stand_ins_sit_where_both_gpu_runners_launch_from():
+    """On GPUs the plugin replaces the two kernels in vLLM's mamba_utils namespace. V1
+    (run_fused_precopy, run_fused_postprocess) and V2 (run_fused_precopy,
+    run_fused_postprocess_align, called by model_states/mamba_hybrid.py) launch them by those
+    global names, and no other module holds its own reference; a fresh process."""
+    pytest.importorskip("vllm")
+    code = """
+import vllm.v1.worker.mamba_utils as m
+import vllm.v1.worker.gpu.model_states.mamba_hybrid as v2
+from r9k.onepage_align import GPU_KERNELS, GpuAlignKernel, install_gpu_kernels
+assert sorted(install_gpu_kernels(m)) == sorted(GPU_KERNELS)
+ctx = m.MambaSpecDecodeGPUContext
+uses = {"run_fused_precopy": "precopy_mamba_align_fused_kernel",
+        "run_fused_postprocess": "postprocess_mamba_fused_kernel",
+        "run_fused_postprocess_align": "postprocess_mamba_fused_kernel"}
+for method, kernel in uses.items():
+    fn = getattr(ctx, method)
+    assert kernel in fn.__code__.co_names, (method, kernel)
+    assert isinstance(fn.__globals__[kernel], GpuAlignKernel), (method, kernel)
+import inspect
+src = inspect.getsource(v2)
+assert "run_fused_precopy(" in src and "run_fused_postprocess_align(" in src
+import sys
+# module dicts read directly: getattr on lazy modules (transformers) imports things
+holders = [name for name, mod in list(sys.modules.items())
+           if mod is not m and not name.startswith("r9k.")  # r9k: the CPU ports
+           for k in GPU_KERNELS if vars(mod).get(k) is not None]
+assert not holders, holders
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["ok"], out.stdout + out.stderr[-3000:]
