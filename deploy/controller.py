@@ -8,6 +8,7 @@ Actor calls are awaited ObjectRefs; the few synchronous Ray calls are listed in 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -106,29 +107,99 @@ class FleetController(Backend):
 
         return read_card_states(self.cfg.ops_state_dir).unhealthy()  # corrupt card files count as fenced
 
-    async def plan(self) -> dict[str, Assignment]:
-        """Validate against the cluster and place every replica; raises before anything starts."""
+    async def start(self) -> None:
+        """Validate against the cluster (raises before anything starts), adopt the replicas a
+        previous controller left running, place and launch the rest, serve the entry point."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.started_ray = ray_backend.connect(self.cfg)
         self.hosts = await ray_backend.inventory(self.cfg)
         unusable = unusable_cards(self.cfg, self.ops_unhealthy())
         check_fits(self.cfg, self.hosts, unusable)
         self.pool = CardPool(self.hosts, unusable)
-        return plan_placement(replica_slots(self.cfg), self.pool, self.cfg.platform)
-
-    async def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.started_ray = ray_backend.connect(self.cfg)
-        assignments = await self.plan()
+        slots = replica_slots(self.cfg)
+        adopted = await self._adoptable(slots)
+        for name, (a, _, _) in adopted.items():
+            for bdf in a.cards:
+                self.pool.in_use[bdf] = name
+        placed = plan_placement([s for s in slots if s.name not in adopted], self.pool,
+                                self.cfg.platform)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         self.probe = HttpProbe(self.session)
         self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port)
-        for name, a in assignments.items():
-            r = Replica(name, self.cfg.model(a.model), a, ReplicaLifecycle(name, self.cfg.health))
-            self.replicas[name] = r
-            self._spawn(r, self._launch(r))
+        for slot in slots:  # config order: replica ports follow it
+            a = adopted[slot.name][0] if slot.name in adopted else placed[slot.name]
+            self.replicas[slot.name] = Replica(slot.name, self.cfg.model(a.model), a,
+                                               ReplicaLifecycle(slot.name, self.cfg.health))
+        for name, r in self.replicas.items():
+            if name in adopted:
+                self._adopt(r, *adopted[name][1:])
+            else:
+                self._spawn(r, self._launch(r))
         self.monitor_task = asyncio.create_task(self._monitor())
         self._start_exporter()
         (self.run_dir / CONTROLLER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "url": self.url, "config": self.config_path}))
+
+    def _launch_spec(self, model: ModelSpec, a: Assignment) -> tuple[list[str], dict[str, str], dict]:
+        """argv and env of a replica's engine on its cards, and what its supervisor keeps of
+        them (host, cards and a digest of the launch) for a later controller to compare."""
+        host_cards = [c.bdf for h in self.hosts if h.name == a.host for c in h.cards]
+        env = engine_env(model, self.cfg, a, host_cards)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        argv = engine_argv(model, self.cfg, "{host}", "{port}")
+        digest = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
+        return argv, env, {"host": a.host, "cards": list(a.cards), "cpu_bind": a.cpu_bind,
+                           "model": model.name, "launch": digest}
+
+    async def _adoptable(self, slots: list[ReplicaSlot]) -> dict[str, tuple[Assignment, RayReplica, dict]]:
+        """Supervisors a previous controller left in the fleet's namespace whose engine still
+        runs what this fleet file would launch, on usable cards: adopted without a restart.
+        The others (gone from the file, launched differently, engine dead, card fenced) are
+        released."""
+        wanted = {s.name: s for s in slots}
+        hosts = {h.name for h in self.hosts}
+        out = {}
+        for name in ray_backend.fleet_actor_replicas(self.cfg):
+            rr = RayReplica.find(name, self.cfg)
+            if rr is None:
+                continue
+            why, desc = None, {}
+            try:
+                desc = await rr.describe(SUPERVISOR_TIMEOUT_S)
+            except Exception as exc:
+                why = f"its supervisor does not answer ({type(exc).__name__})"
+            spec = desc.get("spec") or {}
+            if why is None and name not in wanted:
+                why = "not in the fleet file any more"
+            elif why is None and not (desc.get("alive") and desc.get("engine")):
+                why = "its engine is not running"
+            elif why is None and (spec.get("host") not in hosts
+                                  or any(b in self.pool.unusable for b in spec.get("cards", []))):
+                why = f"its cards {spec.get('host')} {spec.get('cards')} are not usable now"
+            if why is None:
+                a = Assignment(name, wanted[name].model, spec["host"], tuple(spec["cards"]),
+                               spec.get("cpu_bind"))
+                if spec.get("model") != a.model or spec.get("launch") != \
+                        self._launch_spec(self.cfg.model(a.model), a)[2]["launch"]:
+                    why = "the fleet file launches it differently now"
+            if why is not None:
+                log.warning("%s: not adopting the running replica: %s; releasing it", name, why)
+                await rr.release(self.cfg.health.drain_timeout_s)
+                continue
+            log.info("%s: adopting the running replica (engine pid %s)", name,
+                     desc["engine"]["pid"])
+            out[name] = (a, rr, desc)
+        return out
+
+    def _adopt(self, r: Replica, rr: RayReplica, desc: dict) -> None:
+        """A running engine from a previous controller: routed once probed ready (the page proof
+        runs again), its pid unchanged."""
+        eng = desc["engine"]
+        r.ray = rr
+        r.route = Route(r.name, r.model.name, eng["url"], api_key=self.api_key)
+        r.pid, r.engine_pids = eng["pid"], desc.get("engine_pids") or []
+        self._note(r, r.lc.adopted(time.monotonic(), eng["start"], eng["pid"], eng["url"]))
 
     def _start_exporter(self) -> None:
         """The fleet's exporter: replicas only (each host's own `r9k exporter` has its cards)."""
@@ -214,13 +285,9 @@ class FleetController(Backend):
         a = r.assignment
         assert a is not None
         r.lc.placing(a.host, a.cards)
-        host_cards = [c.bdf for h in self.hosts if h.name == a.host for c in h.cards]
-        env = engine_env(r.model, self.cfg, a, host_cards)
-        if self.api_key:
-            env["VLLM_API_KEY"] = self.api_key
-        argv = engine_argv(r.model, self.cfg, "{host}", "{port}")
+        argv, env, spec = self._launch_spec(r.model, a)
         r.ray = await RayReplica.place(r.name, a, self.cfg, argv, env, str(self.run_dir / "logs"),
-                                       self._port(r))
+                                       self._port(r), spec)
         await self._start_engine(r)
 
     def _port(self, r: Replica) -> int:

@@ -124,6 +124,14 @@ class ReplicaLifecycle:
         self.state, self.reason, self.started_at = LOADING, f"engine starting ({log_path})", now
         return [Note(f"engine start {start_no} pid {pid} at {url}")]
 
+    def adopted(self, now: float, start_no: int, pid: int, url: str) -> list[Action]:
+        """A running engine a previous controller started: loading until the probes find it
+        answering with the pages it should have (its counters start again here)."""
+        self.starts = start_no
+        self.proof, self.ready_health, self.ready_at = None, None, None
+        self.state, self.reason, self.started_at = LOADING, "adopted: proving pages", now
+        return [Note(f"adopted running engine (start {start_no}, pid {pid}) at {url}")]
+
     # -- probes -----------------------------------------------------------------------------------
 
     def observe(self, now: float, obs: Observation) -> list[Action]:

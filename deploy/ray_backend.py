@@ -1,6 +1,12 @@
 """The fleet's Ray side: connect or start Ray, find the hosts, and for each replica a placement
 group on its assigned cards with a supervisor actor in it.
 
+Both are named after the replica and detached: they outlive the controller, so a controller that
+was killed and started again finds them (`RayReplica.find`) and adopts the running engines
+instead of restarting them. That needs a Ray cluster that outlives the controller too (`ray
+start --head` and `ray.address: auto`); a one-host Ray the controller starts itself
+(`ray.address: local`) goes down with it.
+
 Actor calls and ``pg.ready()`` return ObjectRefs, which are awaited (never ``ray.get``, which
 would block the controller's event loop). ``ray.nodes``, ``ray.kill`` and
 ``remove_placement_group`` are short synchronous calls to the GCS.
@@ -9,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
 from r9k.deploy.config import HOST_LABEL, CardSpec, FleetConfig, HostSpec
@@ -68,6 +73,19 @@ async def discover_host(name: str, node_id: str) -> HostSpec:
     return HostSpec(name=name, cards=[CardSpec(bdf=b) for b in cards])
 
 
+def actor_name(replica: str) -> str:
+    return f"r9k-{replica}"
+
+
+def fleet_actor_replicas(cfg: FleetConfig) -> list[str]:
+    """Replica names of the supervisors alive in the fleet's namespace."""
+    import ray
+
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"].removeprefix("r9k-") for a in names
+                  if a.get("namespace") == cfg.ray.namespace and a["name"].startswith("r9k-"))
+
+
 class RayReplica:
     """One replica's placement group and supervisor actor."""
 
@@ -76,17 +94,47 @@ class RayReplica:
         self.actor = actor
 
     @classmethod
+    def find(cls, replica: str, cfg: FleetConfig) -> "RayReplica | None":
+        """The replica's supervisor (and placement group) if a controller left them running."""
+        import ray
+        from ray.util import get_placement_group
+
+        try:
+            actor = ray.get_actor(actor_name(replica), namespace=cfg.ray.namespace)
+        except ValueError:
+            return None
+        try:
+            pg = get_placement_group(f"r9k-{replica}")
+        except ValueError:
+            pg = None
+        return cls(pg, actor)
+
+    async def describe(self, timeout_s: float) -> dict:
+        return await asyncio.wait_for(self.actor.describe.remote(), timeout=timeout_s)
+
+    @classmethod
     async def place(cls, replica: str, assignment: Assignment, cfg: FleetConfig, argv: list[str],
-                    env: dict[str, str], log_dir: str, port: int) -> "RayReplica":
+                    env: dict[str, str], log_dir: str, port: int,
+                    spec: dict | None = None) -> "RayReplica":
         """A placement group on the assigned cards (ready within PLACEMENT_TIMEOUT_S) and the
-        supervisor in its first bundle; the engine is not started yet."""
+        supervisor in its first bundle, both detached and named after the replica; the engine
+        is not started yet. A supervisor of the same name left behind is released first."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from r9k.deploy.supervisor import ReplicaSupervisor
 
-        pg = placement_group(**placement_group_args(assignment, cfg))
+        stale = cls.find(replica, cfg)
+        if stale is not None:
+            await stale.release(0.0)
+        else:  # a controller that died between the group and the actor
+            from ray.util import get_placement_group
+            try:
+                ray.util.remove_placement_group(get_placement_group(f"r9k-{replica}"))
+            except ValueError:
+                pass
+        pg = placement_group(**placement_group_args(assignment, cfg), lifetime="detached")
         try:
             await asyncio.wait_for(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -94,10 +142,11 @@ class RayReplica:
             raise PlacementError(f"placement group for {assignment.host} {','.join(assignment.cards)} "
                                  f"not ready after {PLACEMENT_TIMEOUT_S:.0f} s") from None
         actor = ReplicaSupervisor.options(
-            name=f"r9k-{replica}-{time.monotonic_ns()}", num_cpus=0, max_restarts=0,
+            name=actor_name(replica), namespace=cfg.ray.namespace, lifetime="detached",
+            num_cpus=0, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             runtime_env={"env_vars": env},
-        ).remote(replica, argv, log_dir, cfg.replica_bind, cfg.port_range, port)
+        ).remote(replica, argv, log_dir, cfg.replica_bind, cfg.port_range, port, spec)
         return cls(pg, actor)
 
     async def start_engine(self) -> dict:
@@ -130,4 +179,5 @@ class RayReplica:
         except Exception:  # the actor (or its node) is gone already
             pass
         ray.kill(self.actor)
-        ray.util.remove_placement_group(self.pg)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)

@@ -33,8 +33,11 @@ class ReplicaProcess:
     """Plain class (testable without Ray); :data:`ReplicaSupervisor` is its Ray actor form."""
 
     def __init__(self, replica: str, argv: list[str], log_dir: str, bind: str,
-                 port_range: tuple[int, int], preferred_port: int | None = None) -> None:
+                 port_range: tuple[int, int], preferred_port: int | None = None,
+                 spec: dict | None = None) -> None:
         self.replica = replica
+        self.spec = spec or {}       # what the controller placed: host, cards, launch key
+        self.last_start: dict | None = None
         self.argv_template = argv
         self.log_dir = Path(log_dir)
         self.bind = bind
@@ -55,8 +58,14 @@ class ReplicaProcess:
         log_path = self.log_dir / f"{self.replica}.{self.starts}.log"
         # env None: the actor's own environment, which carries runtime_env.env_vars
         self.server = ServerProcess.start(fill_address(self.argv_template, host, port), log_path)
-        return {"url": f"http://{host}:{port}", "pid": self.server.pid, "log": str(log_path),
-                "start": self.starts}
+        self.last_start = {"url": f"http://{host}:{port}", "pid": self.server.pid,
+                           "log": str(log_path), "start": self.starts}
+        return self.last_start
+
+    def describe(self) -> dict:
+        """For a controller that re-adopts this replica: what was placed and what runs."""
+        return {"replica": self.replica, "spec": self.spec, "engine": self.last_start,
+                **self.status()}
 
     def status(self) -> dict:
         if self.server is None:

@@ -45,6 +45,10 @@ class FakeRay:
     async def release(self, grace_s: float) -> None:
         self.calls.append("release")
 
+    async def describe(self, timeout_s: float) -> dict:
+        """What a supervisor left by an earlier controller reports (set by the test)."""
+        return self.desc
+
 
 class FakeProbe:
     def __init__(self) -> None:
@@ -91,7 +95,7 @@ models:
     calls: list[str] = []
     placed: list[tuple] = []
 
-    async def place(replica, assignment, cfg, argv, env, log_dir, port):
+    async def place(replica, assignment, cfg, argv, env, log_dir, port, spec=None):
         placed.append((replica, assignment.cards, env["VLLM_CPU_OMP_THREADS_BIND"]))
         return FakeRay(calls)
 
@@ -252,3 +256,49 @@ def test_a_failing_step_leaves_the_replica_unhealthy_with_the_error(fleet):
 
     run(scenario())
     assert (r.lc.state, r.lc.failures, r.lc.reason) == (UNHEALTHY, 1, "RuntimeError: placement group not ready")
+
+
+def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_rest(fleet, monkeypatch):
+    """Supervisors left by a killed controller: the one running exactly this fleet file's launch
+    on usable cards is adopted (no engine start, its pid kept, proven again before routing);
+    one launched differently, one whose engine died, one no longer in the file and one on a
+    fenced card are released."""
+    from r9k.deploy.placement import replica_slots
+
+    c, r = fleet
+    _, _, spec = c._launch_spec(r.model, r.assignment)
+    engine = {"url": "http://fake:9", "pid": 4242, "start": 3, "log": "tiny-0.3.log"}
+
+    def left(calls, **desc):
+        ray = FakeRay(calls)
+        ray.desc = {"spec": spec, "engine": engine, "alive": True, "engine_pids": [7], **desc}
+        return ray
+
+    cases = {
+        "adopted": left([]),
+        "launched differently": left([], spec={**spec, "launch": "0" * 64}),
+        "engine dead": left([], alive=False),
+        "fenced card": left([]),
+    }
+    for what, ray in cases.items():
+        rays = {"tiny-0": ray, "gone-0": left([])}
+        monkeypatch.setattr(controller_mod.ray_backend, "fleet_actor_replicas",
+                            lambda cfg: sorted(rays))
+        monkeypatch.setattr(controller_mod.RayReplica, "find",
+                            staticmethod(lambda name, cfg: rays.get(name)))
+        c.pool.unusable = {CARDS[0]: "mes timeout"} if what == "fenced card" else {}
+        adopted = run(c._adoptable(replica_slots(c.cfg)))
+        assert rays["gone-0"].calls == ["release"], what
+        if what != "adopted":
+            assert adopted == {} and ray.calls == ["release"], what
+            continue
+        assert list(adopted) == ["tiny-0"] and ray.calls == []
+        a, rr, desc = adopted["tiny-0"]
+        assert (a.host, a.cards, a.cpu_bind) == ("h1", (CARDS[0],), "0")
+        c._adopt(r, rr, desc)
+        assert (r.lc.state, r.pid, r.route.url, r.lc.starts) == (LOADING, 4242, "http://fake:9", 3)
+        assert c.routes("tiny") == []  # not routed before the page proof
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        run(c._probe(r))
+        assert r.lc.state == READY and [x.name for x in c.routes("tiny")] == ["tiny-0"]
+        assert ray.calls == [] and c.placed == []  # no start, no placement
