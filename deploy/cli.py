@@ -1,4 +1,4 @@
-"""`r9k fleet`: up, status, drain, restart --rolling, down, check.
+"""`r9k fleet`: up, status, drain, restart --rolling, down, check, ray-head, install-units.
 
 Commands other than `up` and `check` talk to the running controller over its entry point
 (`--url`, else the controller file in the run directory).
@@ -220,3 +220,61 @@ def down(url: str | None, run_dir: str | None) -> None:
     """Stop every replica and the controller."""
     _call(_controller_url(url, run_dir), "/fleet/down", {})
     click.echo("fleet stopping")
+
+
+def ray_head_argv(cfg, ray_bin: str) -> list[str]:
+    """`ray start --head --block` advertising the fleet file's one host: its cards as the card
+    resource, its name as the host label (what `ray.address: local` would set up in-process)."""
+    from r9k.deploy.config import HOST_LABEL
+
+    if len(cfg.hosts) != 1:
+        raise BadInput(f"fleet ray-head serves a fleet file listing exactly one host; it lists "
+                       f"{len(cfg.hosts)} (start Ray on each host yourself: deploy/README.md)")
+    host = cfg.hosts[0]
+    argv = [ray_bin, "start", "--head", "--block", "--include-dashboard=false",
+            "--resources", json.dumps({cfg.placement.card_resource: len(host.cards)}),
+            "--labels", f"{HOST_LABEL}={host.name}"]
+    if cfg.ray.num_cpus is not None:
+        argv += ["--num-cpus", str(cfg.ray.num_cpus)]
+    return argv
+
+
+@fleet.command("ray-head")
+@click.option("--config", "config", required=True, help="fleet file (YAML)")
+@click.option("--dry-run", is_flag=True, help="print the ray command instead of running it")
+def ray_head(config: str, dry_run: bool) -> None:
+    """Run this host's Ray head for the fleet (in the foreground; systemd: r9k-ray-head.service)."""
+    cfg = _load(config)
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    argv = ray_head_argv(cfg, ray_bin)
+    if dry_run:
+        click.echo(" ".join(argv))
+        return
+    os.execv(argv[0], argv)
+
+
+@fleet.command("install-units")
+@click.option("--config", "config", required=True, help="fleet file (YAML)")
+@click.option("--dest", default="/etc/systemd/system", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--r9k-bin", default=None, help="absolute path of the r9k executable (default: this one)")
+@run_dir_option
+def install_units_cmd(config: str, dest: str, r9k_bin: str | None, run_dir: str | None) -> None:
+    """Write r9k-ray-head.service and r9k-fleet.service: Ray as its own service, the controller
+    restarted by systemd when it dies, re-adopting the running replicas."""
+    from r9k.deploy.controller import default_run_dir
+    from r9k.ops.units import default_r9k_bin, install_fleet_units
+
+    cfg = _load(config)
+    if cfg.ray.address == "local":
+        raise BadInput(f"{config}: ray.address is local (Ray inside the controller, gone with "
+                       "it); the units run Ray as its own service: set ray.address: auto")
+    ray_head_argv(cfg, "ray")  # one host, or a clear error before anything is written
+    r9k_bin = r9k_bin or default_r9k_bin()
+    if not os.path.isabs(r9k_bin) or not os.access(r9k_bin, os.X_OK):
+        raise BadInput(f"--r9k-bin {r9k_bin}: expected the absolute path of an executable r9k")
+    run = run_dir or cfg.run_dir or str(default_run_dir())
+    for path in install_fleet_units(dest, r9k_bin, config, str(run)):
+        click.echo(f"wrote {path}")
+    click.echo("next: systemctl daemon-reload && systemctl enable --now r9k-ray-head.service "
+               "r9k-fleet.service")

@@ -37,6 +37,7 @@ from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
+EXPORTER_PID_FILE = "exporter.pid"
 SUPERVISOR_TIMEOUT_S = 10.0
 EXPORTER_BACKOFF_S = 1.0          # first restart of an exited exporter; doubles per restart
 EXPORTER_BACKOFF_MAX_S = 60.0
@@ -208,9 +209,32 @@ class FleetController(Backend):
         argv = [sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--no-cards",
                 "--port", str(self.cfg.exporter.port), "--listen", self.cfg.exporter.listen,
                 "--fleet", f"{self.url}/fleet/status"]
+        if sys.platform.startswith("linux"):  # dies with the controller, even by SIGKILL
+            argv = [sys.executable, "-m", "r9k.deploy.child", str(os.getpid()), *argv]
+        self._stop_stale_exporter()
         with open(self.run_dir / "exporter.log", "a") as out:  # appended: earlier runs' exits stay readable
             self.exporter = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        (self.run_dir / EXPORTER_PID_FILE).write_text(str(self.exporter.pid))
         self.exporter_restart_at = None
+
+    def _stop_stale_exporter(self) -> None:
+        """An exporter a killed controller left running (it holds the port): stopped, if the
+        pid file's process is still this fleet's exporter."""
+        import psutil
+
+        path = self.run_dir / EXPORTER_PID_FILE
+        try:
+            proc = psutil.Process(int(path.read_text().strip()))
+            cmdline = proc.cmdline()
+        except (OSError, ValueError, psutil.Error):
+            return
+        if "exporter" in cmdline and "--fleet" in cmdline and proc.pid != os.getpid():
+            log.warning("stopping the exporter an earlier controller left running (pid %d)", proc.pid)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except psutil.TimeoutExpired:
+                proc.kill()
 
     def _supervise_exporter(self, now: float | None = None) -> None:
         """Restart an exporter that exited, with a doubling backoff (a port taken by someone else

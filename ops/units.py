@@ -1,4 +1,5 @@
-"""systemd units for ops: boot-time apply (oneshot), the reconcile loop, the kernel-log watcher."""
+"""systemd units for ops (boot-time apply, the reconcile loop, the kernel-log watcher) and for the
+fleet (its Ray head, the controller)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from pathlib import Path
 
 UNIT_DIR = Path(__file__).parent / "systemd"
 UNIT_NAMES = ("r9k-ops-apply.service", "r9k-ops-reconcile.service", "r9k-ops-watch.service")
+FLEET_UNIT_NAMES = ("r9k-ray-head.service", "r9k-fleet.service")
 
 
 def default_r9k_bin() -> str:
@@ -18,30 +20,44 @@ def default_r9k_bin() -> str:
     return shutil.which("r9k") or "/usr/local/bin/r9k"
 
 
-def render_unit(name: str, r9k_bin: str, config_path: str, state_dir: str, interval_s: float) -> str:
+def _render(name: str, replacements: dict[str, str]) -> str:
     text = (UNIT_DIR / name).read_text()
-    replacements = {
-        "@R9K_BIN@": r9k_bin,
-        "@CONFIG@": os.path.abspath(config_path),
-        "@STATE_DIR@": os.path.abspath(state_dir),
-        "@INTERVAL@": f"{interval_s:g}",
-        "@DOC@": str((UNIT_DIR.parent / "README.md").absolute()),
-    }
-    for key, value in replacements.items():
+    for key, value in {"@DOC@": str((UNIT_DIR.parent / "README.md").absolute()),
+                       **replacements}.items():
         text = text.replace(key, value)
     return text
 
 
-def install_units(dest: str | os.PathLike, r9k_bin: str, config_path: str, state_dir: str,
-                  interval_s: float = 60) -> list[Path]:
+def render_unit(name: str, r9k_bin: str, config_path: str, state_dir: str, interval_s: float) -> str:
+    return _render(name, {"@R9K_BIN@": r9k_bin, "@CONFIG@": os.path.abspath(config_path),
+                          "@STATE_DIR@": os.path.abspath(state_dir),
+                          "@INTERVAL@": f"{interval_s:g}"})
+
+
+def _write(dest: str | os.PathLike, units: dict[str, str]) -> list[Path]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in UNIT_NAMES:
+    for name, text in units.items():
         path = dest / name
         tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(render_unit(name, r9k_bin, config_path, state_dir, interval_s))
+        tmp.write_text(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         written.append(path)
     return written
+
+
+def install_units(dest: str | os.PathLike, r9k_bin: str, config_path: str, state_dir: str,
+                  interval_s: float = 60) -> list[Path]:
+    return _write(dest, {name: render_unit(name, r9k_bin, config_path, state_dir, interval_s)
+                         for name in UNIT_NAMES})
+
+
+def install_fleet_units(dest: str | os.PathLike, r9k_bin: str, config_path: str,
+                        run_dir: str) -> list[Path]:
+    """The Ray head and the fleet controller. `ray` is the one beside `r9k` (same venv)."""
+    ray_bin = str(Path(r9k_bin).parent / "ray")
+    values = {"@R9K_BIN@": r9k_bin, "@RAY_BIN@": ray_bin,
+              "@CONFIG@": os.path.abspath(config_path), "@RUN_DIR@": os.path.abspath(run_dir)}
+    return _write(dest, {name: _render(name, values) for name in FLEET_UNIT_NAMES})

@@ -1,0 +1,179 @@
+"""Controller recovery: the fleet exporter dies with a killed controller (so the next one can bind
+its port), an exporter a killed controller left behind is stopped, the systemd unit restarts the
+controller by itself. Real processes and signals. (Adoption decisions: test_deploy_controller.py;
+the whole recovery on a real Ray cluster: test_deploy_fleet_recovery.py.)"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from r9k.devtools.demo import free_port
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux")
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_child_dies_with_its_parent_even_by_sigkill(tmp_path):
+    """r9k.deploy.child: the command (exec'd, same pid) gets SIGTERM when its parent is
+    SIGKILLed; an ordinary child of the same parent outlives it (the control)."""
+    code = f"""
+import subprocess, sys, time
+wrapped = subprocess.Popen([sys.executable, "-m", "r9k.deploy.child", str(__import__("os").getpid()),
+                            sys.executable, "-c", "import time; time.sleep(120)"])
+plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open({str(tmp_path / "pids")!r}, "w").write(f"{{wrapped.pid}} {{plain.pid}}")
+time.sleep(120)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    pids = tmp_path / "pids"
+    deadline = time.monotonic() + 30
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    wrapped, plain = map(int, pids.read_text().split())
+    time.sleep(1.0)  # the wrapper has exec'd the command
+    assert "sleep(120)" in " ".join(psutil.Process(wrapped).cmdline())
+    parent.kill()
+    parent.wait(10)
+    try:
+        assert _gone(wrapped, 10), "the wrapped child outlived its SIGKILLed parent"
+        assert not _gone(plain, 1), "control: a plain child should outlive its parent"
+    finally:
+        for pid in (wrapped, plain):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_child_refuses_when_its_parent_is_already_gone():
+    out = subprocess.run([sys.executable, "-m", "r9k.deploy.child", "1", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "parent 1 is gone" in out.stderr
+
+
+def _controller(tmp_path):
+    from r9k.deploy.config import load_fleet
+    from r9k.deploy.controller import FleetController
+    from r9k.devtools.tiny_model import build_config
+
+    model = tmp_path / "tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(build_config()))
+    (tmp_path / "fleet.yaml").write_text(json.dumps({
+        "platform": "cpu", "entry": {"port": free_port()}, "exporter": {"port": free_port()},
+        "ops_state_dir": str(tmp_path / "ops"),
+        "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+        "models": [{"name": "tiny", "path": str(model), "kv_cache_memory_bytes": 64 << 20,
+                    "state_dtype": "float32"}]}))
+    c = FleetController(load_fleet(tmp_path / "fleet.yaml"), tmp_path / "run")
+    c.run_dir.mkdir(exist_ok=True)
+    return c
+
+
+def test_exporter_a_killed_controller_left_is_stopped_before_a_new_one_starts(tmp_path):
+    """The pid file names a process that is still this fleet's exporter: stopped. A pid file
+    naming some other process leaves it alone."""
+    c = _controller(tmp_path)
+    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "exporter",
+                              "--fleet", "http://127.0.0.1:1/fleet/status"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (c.run_dir / "exporter.pid").write_text(str(other.pid))
+        c._stop_stale_exporter()
+        assert other.poll() is None, "a process that is not an exporter was stopped"
+        (c.run_dir / "exporter.pid").write_text(str(stale.pid))
+        c._start_exporter()
+        assert stale.wait(15) is not None
+        assert int((c.run_dir / "exporter.pid").read_text()) == c.exporter.pid
+    finally:
+        for p in (stale, other, c.exporter):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _fleet_file(tmp_path, address: str, hosts: int = 1):
+    from r9k.devtools.tiny_model import build_config
+
+    model = tmp_path / "tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(build_config()))
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps({
+        "platform": "cpu", "ray": {"address": address, "num_cpus": 4},
+        "ops_state_dir": str(tmp_path / "ops"),
+        "hosts": [{"name": f"box{i}", "cards": [{"bdf": f"0000:c{i}:00.0", "cpu_bind": "0"},
+                                                 {"bdf": f"0000:c{i}:00.1", "cpu_bind": "1"}]}
+                  for i in range(1, hosts + 1)],
+        "models": [{"name": "tiny", "path": str(model), "kv_cache_memory_bytes": 64 << 20}]}))
+    return path
+
+
+def test_install_units_writes_the_ray_head_and_a_self_restarting_controller(tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    fleet = _fleet_file(tmp_path, "auto")
+    r9k_bin = str(__import__("pathlib").Path(sys.executable).parent / "r9k")
+    dest = tmp_path / "system"
+    res = CliRunner().invoke(main, ["fleet", "install-units", "--config", str(fleet), "--dest",
+                                    str(dest), "--r9k-bin", r9k_bin, "--run-dir", "/var/lib/r9k"])
+    assert res.exit_code == 0, res.output
+    controller = (dest / "r9k-fleet.service").read_text()
+    head = (dest / "r9k-ray-head.service").read_text()
+    assert f"ExecStart={r9k_bin} fleet up --config {fleet} --run-dir /var/lib/r9k" in controller
+    assert "Restart=on-failure" in controller and "Requires=r9k-ray-head.service" in controller
+    assert f"ExecStart={r9k_bin} fleet ray-head --config {fleet}" in head
+    assert not any("@" in ln for p in dest.iterdir() for ln in p.read_text().splitlines()
+                   if not ln.startswith("#"))
+    dry = CliRunner().invoke(main, ["fleet", "ray-head", "--config", str(fleet), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert dry.output.split()[1:] == ["start", "--head", "--block", "--include-dashboard=false",
+                                      "--resources", '{"R9700":', "2}", "--labels",
+                                      "r9k.host=box1", "--num-cpus", "4"]
+    if shutil.which("systemd-analyze"):
+        proc = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                               *(str(p) for p in sorted(dest.iterdir()))],
+                              capture_output=True, text=True, timeout=60)
+        problems = [ln for ln in proc.stderr.splitlines() if "r9k-" in ln
+                    and "r9k-ops-apply.service" not in ln]  # ordering on an uninstalled unit
+        assert proc.returncode == 0 and problems == [], proc.stderr
+
+
+@pytest.mark.parametrize("address, hosts, error", [
+    ("local", 1, "ray.address is local"),
+    ("auto", 2, "exactly one host; it lists 2"),
+])
+def test_install_units_refuses_a_fleet_it_cannot_keep_alive(tmp_path, address, hosts, error):
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    fleet = _fleet_file(tmp_path, address, hosts)
+    dest = tmp_path / "system"
+    res = CliRunner().invoke(main, ["fleet", "install-units", "--config", str(fleet), "--dest",
+                                    str(dest)])
+    assert res.exit_code == 2 and error in res.output, res.output
+    assert not dest.exists()
