@@ -204,13 +204,17 @@ def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str 
               help="plateau verdict: ignore this first part of the run")
 @click.option("--tolerance-pct", type=click.FloatRange(0), default=2.0, show_default=True)
 @click.option("--tolerance-mib", type=click.FloatRange(0), default=32.0, show_default=True)
+@click.option("--outage-tolerance", "outage_tolerance_s", type=click.FloatRange(0), default=None,
+              help="seconds: ride through an outage this long (e.g. a restarting fleet "
+              "controller) instead of stopping; outages are reported")
 @click.option("--seed", type=int, default=0, show_default=True)
 def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | None,
          out: Path | None, as_json: bool, quiet: bool, clients: int, duration_s: float,
          min_tokens: int, max_tokens: int | None, max_output_tokens: int, pid: int | None,
          host_root: Path, memory_url: str | None, memory_metric: str,
          memory_label: tuple[str, ...], interval_s: float, warmup_fraction: float,
-         tolerance_pct: float, tolerance_mib: float, seed: int) -> None:
+         tolerance_pct: float, tolerance_mib: float, outage_tolerance_s: float | None,
+         seed: int) -> None:
     """Mixed-length soak: served / rejected-by-design / errors, latency, memory plateau."""
     from r9k.bench import memory as mem
     from r9k.bench.soak import run_soak, write_summary
@@ -256,7 +260,8 @@ def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | 
                        max_model_len=max_len, sampler=sampler, timeout_s=timeout_s, seed=seed,
                        progress=not quiet, report=lambda line: click.echo(line, err=True),
                        plateau_args=plateau_args,
-                       checkpoint=(lambda s: write_summary(out, s)) if out else None)
+                       checkpoint=(lambda s: write_summary(out, s)) if out else None,
+                       outage_tolerance_s=outage_tolerance_s)
     if isinstance(read, mem.ProcessTreeRss):
         summary["memory"]["growth_by_process"] = read.growth_by_process()
     if out:
@@ -278,6 +283,9 @@ def soak(endpoint: str, model: str | None, timeout_s: float, client_cpus: str | 
                        f"{m['tolerance_bytes'] / MIB:.1f} MiB ({m['criterion']})")
         else:
             click.echo(f"memory: {m['verdict']}" + (f" ({m['errors'][-1]})" if m.get("errors") else ""))
+        for o in summary["outages"]:
+            click.echo(f"outage from {o['from_s']} s to {o['to_s']} s: "
+                       f"{o['failed_requests']} requests failed to connect")
         if summary["stopped_early"]:
             click.echo(f"stopped early: {summary['stopped_early']}", err=True)
         click.echo("PASSED" if summary["passed"] else "FAILED")

@@ -19,6 +19,9 @@ import aiohttp
 OVER_LENGTH_MARKERS = ("maximum context length", "max_model_len", "is too long")
 
 
+OUTAGE_RETRY_S = 0.25  # a worker's pause after a transport failure while riding through an outage
+
+
 class EndpointError(Exception):
     """The endpoint cannot be used (unreachable at start, or stopped answering mid-run)."""
 
@@ -230,12 +233,16 @@ async def drive(make_payload: Callable[[int], tuple[dict[str, Any], dict[str, An
                 on_result: Callable[[RequestResult], None] | None = None,
                 max_consecutive_transport_failures: int = 8,
                 t0: float | None = None,
-                results: list[RequestResult] | None = None) -> tuple[list[RequestResult], str | None]:
+                results: list[RequestResult] | None = None,
+                outage_tolerance_s: float | None = None) -> tuple[list[RequestResult], str | None]:
     """Closed loop: `concurrency` workers send until `total` requests or `duration_s` passed.
 
     Returns (results so far, why the run stopped early or None). `make_payload(i)` gives the
     request body and metadata stored on the result. The run stops early once this many
     transport failures (refused, timeout, disconnect) came in a row: the endpoint is down.
+    With `outage_tolerance_s` the run rides through an outage that short (a restarting fleet
+    controller): failed requests are counted, each worker waits OUTAGE_RETRY_S before its next,
+    and it stops only when the failures in a row have lasted longer.
     Results are appended to `results` as they come, so an interrupted caller keeps them.
     """
     t0 = time.monotonic() if t0 is None else t0
@@ -256,20 +263,31 @@ async def drive(make_payload: Callable[[int], tuple[dict[str, Any], dict[str, An
         counter += 1
         return counter - 1
 
+    failing_since: float | None = None
+
     async def worker() -> None:
-        nonlocal consecutive, stop_reason
+        nonlocal consecutive, stop_reason, failing_since
         while (i := next_index()) is not None:
             payload, meta = make_payload(i)
             r = await complete(session, base, payload, index=i, t0=t0, timeout_s=timeout_s)
             r.extra.update(meta)
             results.append(r)
-            consecutive = consecutive + 1 if r.transport_failure else 0
+            if r.transport_failure:
+                consecutive += 1
+                failing_since = failing_since or time.monotonic()
+            else:
+                consecutive, failing_since = 0, None
             if on_result:
                 on_result(r)
-            if consecutive >= max_consecutive_transport_failures and not stop.is_set():
+            down = consecutive >= max_consecutive_transport_failures and (
+                outage_tolerance_s is None or
+                time.monotonic() - (failing_since or time.monotonic()) > outage_tolerance_s)
+            if down and not stop.is_set():
                 stop_reason = (f"endpoint {base} stopped answering: {consecutive} requests in a "
                                f"row failed ({r.error_kind}: {r.message})")
                 stop.set()
+            elif r.transport_failure and outage_tolerance_s is not None:
+                await asyncio.sleep(OUTAGE_RETRY_S)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     results.sort(key=lambda r: r.index)

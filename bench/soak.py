@@ -47,7 +47,8 @@ def run_soak(base: str, model: str, *, clients: int, duration_s: float, min_toke
              progress: bool = True, report: Callable[[str], None] = print,
              plateau_args: dict[str, Any] | None = None,
              checkpoint: Callable[[dict[str, Any]], None] | None = None,
-             checkpoint_every_s: float = 30) -> dict[str, Any]:
+             checkpoint_every_s: float = 30,
+             outage_tolerance_s: float | None = None) -> dict[str, Any]:
     from tqdm import tqdm
     rng = random.Random(seed)
     results: list[RequestResult] = []
@@ -93,7 +94,7 @@ def run_soak(base: str, model: str, *, clients: int, duration_s: float, min_toke
         async with new_session(clients) as session:
             return await drive(make_payload, session, base, concurrency=clients,
                                duration_s=duration_s, timeout_s=timeout_s, on_result=on_result,
-                               t0=t0, results=results)
+                               t0=t0, results=results, outage_tolerance_s=outage_tolerance_s)
 
     stop_reason = None
     try:
@@ -107,9 +108,29 @@ def run_soak(base: str, model: str, *, clients: int, duration_s: float, min_toke
     summary = summarize_soak(results, stop_reason, sampler, t0, partial=False,
                              plateau_args=plateau_args)
     summary.update(endpoint=base, model=model, clients=clients, duration_s_planned=duration_s,
+                   outage_tolerance_s=outage_tolerance_s,
                    prompt_tokens_range=[min_tokens, max_tokens],
                    max_output_tokens=max_output_tokens, max_model_len=max_model_len)
     return summary
+
+
+def outage_windows(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """Runs of transport failures (refused, timeout, disconnected) in start order, each from the
+    first failed request's start to the start of the next request that did not fail that way
+    (the endpoint answered again by then), with the number of requests that failed."""
+    out: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for r in sorted(results, key=lambda r: r.started_s):
+        if r.transport_failure:
+            if current is None:
+                current = {"from_s": round(r.started_s, 2), "to_s": None, "failed_requests": 0}
+                out.append(current)
+            current["failed_requests"] += 1
+        elif current is not None:
+            current["to_s"] = round(r.started_s, 2)
+            current["duration_s"] = round(current["to_s"] - current["from_s"], 2)
+            current = None
+    return out
 
 
 def summarize_soak(results: list[RequestResult], stop_reason: str | None,
@@ -143,6 +164,7 @@ def summarize_soak(results: list[RequestResult], stop_reason: str | None,
         "partial": partial, "wall_s": round(wall, 1), "requests_sent": len(results),
         "served": len(ok), "rejected_by_design": len(by_design), "errors": len(errors),
         "errors_by_kind": kinds, "stopped_early": stop_reason,
+        "outages": outage_windows(results),
         "output_tokens": served_tokens,
         "output_tokens_per_s": round(served_tokens / wall, 2) if wall else None,
         "latency_s": summarize([r.latency_s for r in ok], (50, 90, 99)),

@@ -119,3 +119,43 @@ def test_sampled_process_dying_makes_the_memory_verdict_source_lost(fake, tmp_pa
     assert r.exit_code == 1 and s["errors"] == 0
     assert s["memory"]["verdict"] == "source_lost" and s["passed"] is False
     assert f"process {victim.pid} is gone" in r.output
+
+
+def test_soak_rides_through_an_outage_and_reports_its_window(tmp_path):
+    """--outage-tolerance: the endpoint goes away (listener closed) and comes back on the same
+    port 2 s later; the soak keeps going, counts the refused requests, reports one outage of
+    about that length, and serves again after it. Without the option it stops early (the test
+    above)."""
+    import threading
+    import time
+
+    from doubles.fake_openai import FakeOpenAI
+
+    out = tmp_path / "soak.json"
+    first = FakeOpenAI(max_model_len=512, token_delay_s=0.002).__enter__()
+    second = FakeOpenAI(max_model_len=512, token_delay_s=0.002, port=first.port)
+
+    def outage():
+        time.sleep(2.0)
+        first.shutdown()
+        time.sleep(2.0)
+        second.__enter__()
+
+    t = threading.Thread(target=outage)
+    t.start()
+    try:
+        r = run("--endpoint", first.url, "--clients", "4", "--duration", "8", "--min-tokens", "8",
+                "--max-tokens", "64", "--max-output-tokens", "4", "--quiet", "--out", str(out),
+                "--outage-tolerance", "10")
+        t.join()
+    finally:
+        second.shutdown()
+    s = json.loads(out.read_text())
+    assert r.exit_code == 1 and s["stopped_early"] is None, r.output  # errors fail it, no stop
+    [o] = s["outages"]
+    assert 1.0 <= o["duration_s"] <= 4.0, o
+    assert 2.0 <= o["from_s"] <= 3.0 and o["failed_requests"] >= 4, o
+    assert o["failed_requests"] == s["errors_by_kind"].get("refused", 0) + \
+        s["errors_by_kind"].get("disconnected", 0)
+    assert second.completions > 0 and s["wall_s"] >= 8
+    assert "outage from" in r.output

@@ -36,11 +36,12 @@ def margins(prompt: str, n: int) -> list[float]:
 
 
 class FakeOpenAI:
-    def __init__(self, max_model_len: int = 4096, model: str = "fake", token_delay_s: float = 0.0):
+    def __init__(self, max_model_len: int = 4096, model: str = "fake", token_delay_s: float = 0.0,
+                 port: int | None = None):
         self.max_model_len, self.model, self.token_delay_s = max_model_len, model, token_delay_s
         self.behaviour: dict = {}
         self.completions = 0
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.metric_value = 1000.0
         self.metric_step = 0.0
@@ -68,7 +69,9 @@ class FakeOpenAI:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_get("/metrics", self.metrics)
-        self._runner = web.AppRunner(app)
+        # dying is abrupt, like a killed server: aiohttp's graceful shutdown would hold requests
+        # that arrive on kept-alive connections for its default 60 s
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
         self._ready.set()
