@@ -121,18 +121,19 @@ class World:
 
     def fill_tables(self, g, cols_used, null_below, null_cells=()):
         """Distinct page ids over all groups (they share the buffers), columns below
-        null_below nulled (vLLM's remove_skipped_blocks), null_cells set to the null block."""
+        null_below nulled (vLLM's remove_skipped_blocks), null_cells set to the null block in
+        group 0 only (two copies into the shared null page would race on a GPU)."""
         need = self.groups * int(sum(cols_used))
         ids = (torch.randperm(self.raw[0].shape[0] - 1, generator=g)[:need] + 1).to(torch.int32)
         assert ids.numel() == need, "too few blocks"
         pos = 0
-        for table in self.tables:
+        for grp, table in enumerate(self.tables):
             host = torch.zeros(table.shape, dtype=torch.int32)
             for r, n in enumerate(cols_used):
                 host[r, :n] = ids[pos:pos + n]
                 host[r, :null_below[r]] = 0
                 pos += n
-            for r, c in null_cells:
+            for r, c in null_cells if grp == 0 else ():
                 host[r, c] = 0
             table.copy_(host.to(DEV))
 
