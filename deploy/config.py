@@ -52,6 +52,8 @@ class ModelSpec(_Strict):
     max_model_len: StrictInt = Field(default=4096, ge=16)
     kv_cache_memory_bytes: StrictInt = Field(ge=1 << 20)  # per rank
     gdn_state: Literal["onepage", "stock"] = "onepage"
+    # a mixed model for comparisons: replica i's pages (overrides gdn_state), one per replica
+    gdn_state_per_replica: Union[list[Literal["onepage", "stock"]], None] = None
     state_dtype: Union[Literal["float32", "bfloat16"], None] = None  # --mamba-ssm-cache-dtype
     extra_args: list[StrictStr] = []
     env: dict[StrictStr, StrictStr] = {}
@@ -76,7 +78,11 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _onepage_needs_spec(self) -> "ModelSpec":
-        if self.gdn_state == "onepage" and self.speculative is None:
+        per = self.gdn_state_per_replica
+        if per is not None and len(per) != self.replicas:
+            raise ValueError(f"gdn_state_per_replica lists {len(per)} page modes for "
+                             f"{self.replicas} replicas; expected one per replica")
+        if "onepage" in (per or [self.gdn_state]) and self.speculative is None:
             raise ValueError("gdn_state onepage needs speculative decoding (speculative: {method, k}); "
                              "without it one page is all stock keeps, use gdn_state: stock")
         return self
@@ -84,6 +90,14 @@ class ModelSpec(_Strict):
     @property
     def num_spec(self) -> int:
         return self.speculative.k if self.speculative else 0
+
+    def for_replica(self, replica: str) -> "ModelSpec":
+        """The model as replica `<name>-<i>` serves it: its own page mode in a mixed model."""
+        if self.gdn_state_per_replica is None:
+            return self
+        i = int(replica.rsplit("-", 1)[1])
+        return self.model_copy(update={"gdn_state": self.gdn_state_per_replica[i],
+                                       "gdn_state_per_replica": None})
 
     def resolved_path(self, base: Path) -> Path:
         p = Path(os.path.expanduser(self.path))
@@ -129,8 +143,8 @@ class EntrySpec(_Strict):
     # Serving beyond loopback without a key lets anyone on the network drain or stop the fleet:
     # only with this explicit opt-in (and a warning at `fleet up`).
     allow_unauthenticated: StrictBool = False
-    # r9k.deploy.routing: pool-aware | least-outstanding | prefix-affinity
-    routing: Literal["pool-aware", "least-outstanding", "prefix-affinity"] = "pool-aware"
+    # r9k.deploy.routing: pool-aware | least-outstanding | prefix-affinity | round-robin
+    routing: Literal["pool-aware", "least-outstanding", "prefix-affinity", "round-robin"] = "pool-aware"
     prefix_chars: StrictInt = Field(default=1024, ge=1)  # prefix affinity's key length
 
     @property

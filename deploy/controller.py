@@ -129,7 +129,7 @@ class FleetController(Backend):
         self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port)
         for slot in slots:  # config order: replica ports follow it
             a = adopted[slot.name][0] if slot.name in adopted else placed[slot.name]
-            self.replicas[slot.name] = Replica(slot.name, self.cfg.model(a.model), a,
+            self.replicas[slot.name] = Replica(slot.name, self.cfg.model(a.model).for_replica(slot.name), a,
                                                ReplicaLifecycle(slot.name, self.cfg.health))
         for name, r in self.replicas.items():
             if name in adopted:
@@ -181,8 +181,9 @@ class FleetController(Backend):
             if why is None:
                 a = Assignment(name, wanted[name].model, spec["host"], tuple(spec["cards"]),
                                spec.get("cpu_bind"))
+                model = self.cfg.model(a.model).for_replica(name)
                 if spec.get("model") != a.model or spec.get("launch") != \
-                        self._launch_spec(self.cfg.model(a.model), a)[2]["launch"]:
+                        self._launch_spec(model, a)[2]["launch"]:
                     why = "the fleet file launches it differently now"
             if why is not None:
                 log.warning("%s: not adopting the running replica: %s; releasing it", name, why)

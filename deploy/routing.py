@@ -15,6 +15,8 @@ Policies (fleet config `entry.routing`):
   hashing of the prompt's first `entry.prefix_chars` characters, so its prefix cache hits),
   unless that replica's pool-aware score exceeds `AFFINITY_LOAD_FACTOR` x the best one's; then,
   and for prompts shorter than the prefix, pool-aware.
+- `round-robin`: each replica in turn, blind to load (the baseline the others are measured
+  against).
 Ties go to the replica chosen longest ago (a restarted replica takes its turn at once).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-POLICIES = ("least-outstanding", "pool-aware", "prefix-affinity")
+POLICIES = ("least-outstanding", "pool-aware", "prefix-affinity", "round-robin")
 STALE_S = 10.0               # engine state older than this is unknown
 MIN_FREE_POOL = 0.02         # a full pool still ranks, far behind any with room
 AFFINITY_LOAD_FACTOR = 2.0   # prefix affinity yields when its replica is this much worse off
@@ -110,7 +112,9 @@ def choose(candidates: list[Candidate], policy: str, now_s: float,
         raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
     if not candidates:
         return None
-    if policy == "least-outstanding":
+    if policy == "round-robin":
+        best = min(candidates, key=lambda c: (c.last_pick, c.name))
+    elif policy == "least-outstanding":
         best = min(candidates, key=lambda c: (c.outstanding, c.last_pick, c.name))
     else:
         best = min(candidates, key=lambda c: (pool_score(c, now_s), c.last_pick, c.name))

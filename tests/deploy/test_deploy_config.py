@@ -202,3 +202,29 @@ def test_entry_beyond_loopback_needs_a_key_or_an_explicit_opt_in(tmp_path, monke
     assert no_controller == ["controller"], result.output
     assert "warning: entry point on 0.0.0.0:8000 without an API key" in result.output
     assert "allow_unauthenticated" in refused(fleet_text(entry={"host": "0.0.0.0", "allow_unauthenticated": "yes"}))
+
+
+def test_a_mixed_model_gives_each_replica_its_page_mode(tmp_path):
+    """gdn_state_per_replica: one page mode per replica (a stock and a one-page replica of one
+    served model, for comparisons); a list of the wrong length is refused naming both counts."""
+    from r9k.devtools.tiny_model import build_config
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_config()))
+
+    def fleet(per, replicas=2):
+        return json.dumps({"platform": "cpu",
+                           "hosts": [{"name": "a", "cards": [{"bdf": "0000:03:00.0", "cpu_bind": "0"},
+                                                             {"bdf": "0000:04:00.0", "cpu_bind": "1"}]}],
+                           "models": [{"name": "m", "path": str(model), "replicas": replicas,
+                                       "kv_cache_memory_bytes": 1 << 26,
+                                       "gdn_state_per_replica": per}]})
+
+    cfg = parse_fleet(fleet(["stock", "onepage"]))
+    m = cfg.model("m")
+    assert [m.for_replica(f"m-{i}").gdn_state for i in range(2)] == ["stock", "onepage"]
+    assert m.for_replica("m-0").gdn_state_per_replica is None
+    with pytest.raises(FleetConfigError, match="lists 1 page modes for 2 replicas"):
+        parse_fleet(fleet(["stock"]))
+    assert parse_fleet(fleet(None)).model("m").for_replica("m-1").gdn_state == "onepage"

@@ -68,8 +68,18 @@ def test_ties_alternate_and_bad_policy_is_refused():
     a, b = route("a"), route("b")
     assert [choose([a, b], "pool-aware", NOW).name for _ in range(4)] == ["a", "b", "a", "b"]
     assert choose([], "pool-aware", NOW) is None
-    with pytest.raises(ValueError, match="round-robin.*pool-aware"):
-        choose([a], "round-robin", NOW)
+    with pytest.raises(ValueError, match="fastest.*pool-aware"):
+        choose([a], "fastest", NOW)
+
+
+def test_round_robin_takes_turns_blind_to_load():
+    """The baseline: every replica in turn, whatever its pool or queue."""
+    full = route("full", outstanding=30, running=8, waiting=22, kv=0.99)
+    idle = route("idle", outstanding=0, running=0, kv=0.0)
+    assert choose([full, idle], "pool-aware", NOW).name == "idle"
+    picks = [choose([full, idle], "round-robin", NOW).name for _ in range(6)]
+    assert Counter(picks) == {"full": 3, "idle": 3}
+    assert picks[0::2] == [picks[0]] * 3 and picks[1::2] == [picks[1]] * 3
 
 
 def test_prefix_affinity_sticks_spreads_and_yields_under_load():
