@@ -457,6 +457,9 @@ class FleetController(Backend):
     def model_names(self) -> list[str]:
         return [m.name for m in self.cfg.models]
 
+    def max_model_len(self, model: str) -> int | None:
+        return next((m.max_model_len for m in self.cfg.models if m.name == model), None)
+
     def states_line(self, model: str) -> str:
         rs = [r for r in self.replicas.values() if r.model.name == model]
         return ", ".join(f"{r.name} {r.lc.state}"

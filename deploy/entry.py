@@ -42,6 +42,7 @@ class Route:
 class Backend(Protocol):
     def routes(self, model: str) -> list[Route]: ...          # ready replicas of the model
     def model_names(self) -> list[str]: ...                    # every model in the fleet
+    def max_model_len(self, model: str) -> int | None: ...     # as vLLM's /v1/models says it
     def states_line(self, model: str) -> str: ...              # "m-0 loading, m-1 unhealthy (why)"
     def status(self) -> dict[str, Any]: ...
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
@@ -111,6 +112,7 @@ class EntryPoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         data = [{"id": m, "object": "model", "owned_by": "r9k-fleet",
+                 "max_model_len": self.backend.max_model_len(m),
                  "ready_replicas": len(self.backend.routes(m))} for m in self.backend.model_names()]
         return web.json_response({"object": "list", "data": data})
 
@@ -170,9 +172,10 @@ class EntryPoint:
                 response = await self._forward(request, route, body)
                 route.served += 1
                 return response
-            except aiohttp.ClientConnectionError as exc:
-                # No answer had started (a replica that died before the health probe saw it):
-                # completions have no side effects, so the next replica may take it.
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                # No byte of an answer reached the client (a replica that died before the health
+                # probe saw it, or mid-way through a plain body, which is buffered): completions
+                # have no side effects, so the next replica may take it.
                 tried[route.name] = type(exc).__name__
             finally:
                 route.outstanding -= 1
@@ -184,22 +187,27 @@ class EntryPoint:
         assert self.session is not None
         async with self.session.post(route.url + request.path, data=body, headers=headers,
                                      params=request.query) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
-            response.headers["X-R9k-Replica"] = route.name
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+            out_headers["X-R9k-Replica"] = route.name
+            if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                # a plain answer is read whole first: a replica dying mid-body raises here,
+                # before the client saw anything, and the request goes to another replica
+                data = await upstream.read()
+                out_headers.pop("Content-Length", None)
+                return web.Response(status=upstream.status, body=data, headers=out_headers)
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                # the replica died mid-answer: a stream ends with a well-formed error event
-                # (OpenAI's shape) and [DONE]; a plain body can only end short
+                # the replica died mid-stream: it ends with a well-formed error event
+                # (OpenAI's shape) and [DONE]
                 response.r9k_broken = True
-                if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    event = {"error": {"message": f"replica {route.name} dropped the stream "
-                                                  f"({type(exc).__name__})",
-                                       "type": "BadGateway", "code": 502}}
-                    await response.write(f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                event = {"error": {"message": f"replica {route.name} dropped the stream "
+                                              f"({type(exc).__name__})",
+                                   "type": "BadGateway", "code": 502}}
+                await response.write(f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
             await response.write_eof()
             return response
 

@@ -127,6 +127,8 @@ def test_503_names_the_replica_states_and_404_unknown_model(env):
     env.table.ready = {"m-0"}
     models = get(env, "/v1/models", AUTH).json()["data"]
     assert [(m["id"], m["ready_replicas"]) for m in models] == [("m", 1), ("other", 0)]
+    # max_model_len as vLLM's /v1/models gives it: `r9k bench soak` sizes prompts from it
+    assert [m["max_model_len"] for m in models] == [4096, 2048]
 
 
 def test_status_is_monitoring_fleet_status(env):

@@ -31,6 +31,14 @@ def replica_app(name: str, mode: str) -> web.Application:
                 await asyncio.sleep(0.05)
             request.transport.close()
             return resp
+        if mode == "cut-body":  # a plain answer's headers and half its body, then death
+            resp = web.StreamResponse(headers={"Content-Type": "application/json",
+                                               "Content-Length": "400"})
+            await resp.prepare(request)
+            await resp.write(b'{"replica": "cut-body", "choices": [')
+            await asyncio.sleep(0.05)
+            request.transport.close()
+            return resp
         return web.json_response({"replica": name, "model": body["model"]})
 
     app.router.add_post("/v1/completions", completions)
@@ -41,7 +49,8 @@ def replica_app(name: str, mode: str) -> web.Application:
 def fleet():
     servers = LoopServers()
     routes = [Route(name, "m", servers.app(replica_app(name, mode)))
-              for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken"))]
+              for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken"),
+                                 ("cut-body", "cut-body"))]
     for name in ("dead-1", "dead-2"):
         routes.append(Route(name, "m", f"http://127.0.0.1:{free_port()}", outstanding=-9))
     table = Table(routes)
@@ -101,3 +110,16 @@ def test_a_stream_cut_mid_answer_ends_with_an_error_event(fleet):
     assert err["code"] == 502 and "replica broken dropped the stream" in err["message"]
     assert events[3] == "[DONE]" and len(events) == 4
     assert outcomes(fleet)["broken"] == 1
+
+
+def test_a_plain_answer_cut_mid_body_is_retried_on_another_replica(fleet):
+    """Seen under a replica SIGKILL in the fleet sanity run (1 of 2,000): the replica sent a
+    non-streamed answer's headers, then died. The entry point reads plain answers whole before
+    answering, so the client gets the other replica's complete answer, and the retry is
+    counted; the request counts once, as served."""
+    fleet.table.ready = {"cut-body", "good"}
+    fleet.table.all.sort(key=lambda r: r.name != "cut-body")  # least-outstanding tie: cut-body first
+    resp = post(fleet, {"model": "m"})
+    assert resp.status == 200 and resp.json()["replica"] == "good", resp.text
+    got = outcomes(fleet)
+    assert (got["served"], got["broken"], got["retries"]) == (1, 0, 1), got

@@ -55,6 +55,9 @@ class Table:
     def model_names(self):
         return ["m", "other"]
 
+    def max_model_len(self, model):
+        return {"m": 4096, "other": 2048}.get(model)
+
     def states_line(self, model):
         return ", ".join(f"{r.name} {'ready' if r.name in self.ready else 'loading'}"
                          for r in self.all if r.model == model) or "no replicas configured"
