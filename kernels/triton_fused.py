@@ -1,21 +1,29 @@
 """The fused one-page GDN verify step: one Triton kernel per (sequence, value head, V block).
 
 Per program, with the state tile [BV, K] in registers:
-1. copy this step's candidate rows (post-conv k | v | a | b) into the page's other record slot,
-   as tiles off the token chain; the page's last program to count in (done counter, flag word 2)
-   sets the live count and flips the live slot, so no program reads a flag another one already
-   rewrote;
+1. count in on the page's flag (done word) as soon as the flag is read: the page's NV * HV
+   programs share one flag, and it may only flip once every one of them has read it;
 2. replay the first min(num_accepted, live_count) rows of the live slot onto the checkpoint,
    store it once (rounded to the state dtype) and continue from the rounded value, exactly as
    stock re-reads a stored slot;
-3. run the candidate rows from there, storing their outputs and no state.
-With `prefetch` (the default) row t + 1's inputs are loaded while row t computes.
+3. run the candidate rows from there, storing their outputs and no state, and store each row
+   as loaded (post-conv k | v | a | b) into the page's other record slot;
+4. the page's leader (its program with the highest linear id, dispatched last) waits until the
+   others have counted in (normally already visible in the count it read before step 3), then
+   sets the live count, flips the live slot and resets the done word.
+Followers count in with a fire-and-forget release add and never wait; only the leader polls,
+and it waits only on programs dispatched before it, which wait on nothing. With `prefetch`
+(the default) row t + 1's inputs are loaded while row t computes.
+
+`proto=0` keeps the protocol this kernel had before (record rows written as tiles up front, then
+every program takes a counted atomic whose answer it waits for): measurements only.
 
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
-line by line below) and its compile options (none passed, as the stock launcher passes none).
-Replay rows skip q and the output, which never feed the state. Portable Triton only (no vendor
-intrinsics): it builds for CUDA and for ROCm RDNA4 (gfx1201, wave32).
+line by line below; A_log and dt_bias are loaded once, the same values) and its compile options
+(none passed, as the stock launcher passes none). Replay rows skip q and the output, which never
+feed the state. Portable Triton only (no vendor intrinsics): it builds for CUDA and for ROCm
+RDNA4 (gfx1201, wave32).
 """
 from __future__ import annotations
 
@@ -34,6 +42,9 @@ STOCK_NUM_STAGES = 3
 _F_COUNT = tl.constexpr(FLAG_COUNT)
 _F_SLOT = tl.constexpr(FLAG_SLOT)
 _F_DONE = tl.constexpr(FLAG_DONE)
+# the leader's wait for its page's other programs: they were dispatched before it and wait on
+# nothing, so it ends after a few polls; the bound only matters for invalid input
+_SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -74,6 +85,8 @@ def onepage_gdn_step_kernel(
     DO_VERIFY: tl.constexpr,
     DO_RECORD: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PROTO: tl.constexpr = 1,
+    HOIST: tl.constexpr = True,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -107,9 +120,25 @@ def onepage_gdn_step_kernel(
     live_slot = tl.load(p_flag + _F_SLOT) & 1
     n_replay = tl.minimum(tl.load(num_accepted + i_n).to(tl.int32), live_count)
     n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
+    new_slot = 1 - live_slot
+    n_rows = tl.minimum(T, S)
+    # the page's programs count in on the flag's done word; the one dispatched last (highest
+    # linear id) is the page's leader: it waits for the others' counts, then flips the flag
+    leader = (i_v == NV - 1) & (i_hv == HV - 1)
+    follower = (i_v != NV - 1) | (i_hv != HV - 1)
+    if DO_RECORD and PROTO == 1:
+        if T > 0:
+            # count in as soon as every warp has read the flag (nothing else in flight yet);
+            # release: this program's flag reads are done before its count is seen
+            tl.debug_barrier()
+            if follower:
+                tl.atomic_add(p_flag + _F_DONE, 1, sem="release")
 
     p_A_log = A_log + i_hv
     p_dt_bias = dt_bias + i_hv
+    if HOIST:
+        c_negA = -tl.exp(tl.load(p_A_log).to(tl.float32))
+        c_dtb = tl.load(p_dt_bias).to(tl.float32)
     p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
     b_h = tl.zeros([BV, BK], dtype=tl.float32)
     b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
@@ -119,6 +148,9 @@ def onepage_gdn_step_kernel(
     p_rv = p_rec + H * K + i_hv * V + o_v
     p_ra = p_rec + H * K + HV * V + i_hv
     p_rb = p_ra + HV
+    # this step's record rows go to the other slot (PROTO 1: written by the verify loop)
+    p_w = record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
+    w_k = (i_v == 0) & (i_hv % (HV // H) == 0)
     if PREFETCH:
         # first replay row and first candidate row in flight before anything waits; row t + 1
         # is loaded while row t computes (same values, same arithmetic). Vector masks are built
@@ -137,26 +169,23 @@ def onepage_gdn_step_kernel(
         n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
         n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
 
-    # record this step's rows in the other slot (tiles, off the token chain), then count in;
-    # the page's last program sets the live count and flips the slot
-    if DO_RECORD:
+    # PROTO 0 (the kernel before issue 16, kept for measurements): record this step's rows in
+    # the other slot as tiles, then count in; the page's last program flips the flag
+    if DO_RECORD and PROTO == 0:
         if T > 0:
-            new_slot = 1 - live_slot
-            n_rows = tl.minimum(T, S)
             o_s = tl.arange(0, SP)
             mask_s = o_s < n_rows
             if HAS_ROW_MAP:
                 rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
             else:
                 rows = bos + o_s
-            p_w = (record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
-                   + o_s[:, None] * W)
+            p_w0 = p_w + o_s[:, None] * W
             t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :],
                           mask=mask_s[:, None] & mask_v[None, :], other=0)
-            tl.store(p_w + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
+            tl.store(p_w0 + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
                      mask=mask_s[:, None] & mask_v[None, :])
             if i_v == 0:
-                p_w1 = p_w + H * K + HV * V + i_hv
+                p_w1 = p_w0 + H * K + HV * V + i_hv
                 t_a = tl.load(a + rows[:, None] * HV + i_hv, mask=mask_s[:, None], other=0)
                 t_b = tl.load(b + rows[:, None] * HV + i_hv, mask=mask_s[:, None], other=0)
                 tl.store(p_w1, t_a.to(record.dtype.element_ty), mask=mask_s[:, None])
@@ -164,7 +193,7 @@ def onepage_gdn_step_kernel(
                 if i_hv % (HV // H) == 0:
                     t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :],
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
-                    tl.store(p_w + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
+                    tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
             # every warp has used the flag (record addresses) before the count goes up
             tl.debug_barrier()
@@ -181,7 +210,10 @@ def onepage_gdn_step_kernel(
                 b_k = r_k.to(tl.float32)
                 b_v = r_v.to(tl.float32)
                 b_b = r_b.to(tl.float32)
-                x = r_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                if HOIST:
+                    x = r_a.to(tl.float32) + c_dtb
+                else:
+                    x = r_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
                 more = i_t + 1 < n_replay
                 r_k = tl.load(p_rk + W, mask=mask_k & (o_k * 0 + i_t + 1 < n_replay), other=0)
                 r_v = tl.load(p_rv + W, mask=mask_v & (o_v * 0 + i_t + 1 < n_replay), other=0)
@@ -191,12 +223,17 @@ def onepage_gdn_step_kernel(
                 b_k = tl.load(p_rk, mask=mask_k, other=0).to(tl.float32)
                 b_v = tl.load(p_rv, mask=mask_v, other=0).to(tl.float32)
                 b_b = tl.load(p_rb).to(tl.float32)
-
-                x = tl.load(p_ra).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                if HOIST:
+                    x = tl.load(p_ra).to(tl.float32) + c_dtb
+                else:
+                    x = tl.load(p_ra).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
-            b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+            if HOIST:
+                b_g = c_negA * softplus_x
+            else:
+                b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
 
             b_beta = tl.sigmoid(b_b.to(tl.float32))
 
@@ -216,16 +253,20 @@ def onepage_gdn_step_kernel(
         # continue from the stored (rounded) checkpoint, as stock re-reads a stored slot
         b_h = b_h.to(p_h.dtype.element_ty).to(tl.float32)
 
-    # 2. verify: the stock per-token body, outputs only
+    if DO_RECORD and PROTO == 1:
+        # the leader reads the done count here and looks at it only after the verify loop
+        early = tl.load(p_flag + _F_DONE, mask=leader & (T > 0), other=0, volatile=True)
+
+    # 2. verify: the stock per-token body, outputs only (PROTO 1: and the record rows)
     if DO_VERIFY:
         for i_t in range(0, T):
             if PREFETCH:
                 row = n_row
-                b_q = n_q.to(tl.float32)
-                b_k = n_k.to(tl.float32)
-                b_v = n_v.to(tl.float32)
-                b_b = n_b.to(tl.float32)
-                x = n_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                c_q = n_q
+                c_k = n_k
+                c_v = n_v
+                c_a = n_a
+                c_b = n_b
                 more = i_t + 1 < T
                 if HAS_ROW_MAP:
                     n_row = tl.load(row_map + bos + i_t + 1, mask=more, other=0).to(tl.int64)
@@ -244,23 +285,40 @@ def onepage_gdn_step_kernel(
                     row = tl.load(row_map + bos + i_t).to(tl.int64)
                 else:
                     row = bos + i_t
-                p_q = q + (row * H + i_h) * K + o_k
-                p_k = k + (row * H + i_h) * K + o_k
-                p_v = v + (row * HV + i_hv) * V + o_v
-                p_a = a + row * HV + i_hv
-                p_b = b + row * HV + i_hv
-
-                b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
-                b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
-                b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
-                b_b = tl.load(p_b).to(tl.float32)
-
-                x = tl.load(p_a).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                c_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
+                c_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
+                c_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
+                c_b = tl.load(b + row * HV + i_hv)
+                c_a = tl.load(a + row * HV + i_hv)
+            if DO_RECORD and PROTO == 1:
+                # this candidate's row, as loaded, into the other slot (rows past S dropped)
+                p_wt = p_w + i_t * W
+                tl.store(p_wt + H * K + i_hv * V + o_v, c_v.to(record.dtype.element_ty),
+                         mask=mask_v & (o_v * 0 + i_t < S))
+                if i_v == 0:
+                    tl.store(p_wt + H * K + HV * V + i_hv, c_a.to(record.dtype.element_ty),
+                             mask=i_t < S)
+                    tl.store(p_wt + H * K + HV * V + HV + i_hv,
+                             c_b.to(record.dtype.element_ty), mask=i_t < S)
+                if w_k:
+                    tl.store(p_wt + i_h * K + o_k, c_k.to(record.dtype.element_ty),
+                             mask=mask_k & (o_k * 0 + i_t < S))
+            b_q = c_q.to(tl.float32)
+            b_k = c_k.to(tl.float32)
+            b_v = c_v.to(tl.float32)
+            b_b = c_b.to(tl.float32)
+            if HOIST:
+                x = c_a.to(tl.float32) + c_dtb
+            else:
+                x = c_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
             p_o = o + (row * HV + i_hv) * V + o_v
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
-            b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+            if HOIST:
+                b_g = c_negA * softplus_x
+            else:
+                b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
 
             b_beta = tl.sigmoid(b_b.to(tl.float32))
 
@@ -274,6 +332,24 @@ def onepage_gdn_step_kernel(
             b_h += b_v[:, None] * b_k[None, :]
             b_o = tl.sum(b_h * b_q[None, :], 1)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+    # the flag: set the live count and flip the slot once every program has read it
+    if DO_RECORD and PROTO == 1:
+        if T > 0:
+            if leader:
+                # each thread waits until it has seen every other program count in (usually
+                # already in the value read before the verify loop); no barrier inside, so
+                # threads may leave the loop at different times
+                seen = early
+                spins = 0
+                # bounded: a page listed twice (a caller bug) must not hang the GPU
+                while (seen < NV * HV - 1) & (spins < _SPIN_LIMIT):
+                    seen = tl.load(p_flag + _F_DONE, volatile=True)
+                    spins += 1
+                tl.debug_barrier()  # all threads saw the full count before the reset
+                tl.store(p_flag + _F_DONE, 0)
+                tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
+                tl.store(p_flag + _F_SLOT, new_slot)
 
 
 def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
@@ -300,9 +376,10 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
                        state_indices, num_accepted, cu_seqlens, row_map=None,
                        use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
-                       prefetch=True, out=None) -> torch.Tensor:
+                       prefetch=True, out=None, proto=1, hoist=True) -> torch.Tensor:
     """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
-    and rows of null pages are zero). `stages` drops stages for measurements only."""
+    and rows of null pages are zero). `stages`, `proto` (0: the earlier record protocol) and
+    `hoist` (False: per-token A_log / dt_bias loads) are for measurements only."""
     T_all, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     N = state_indices.numel()
@@ -316,6 +393,8 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
         out = alloc((T_all, HV, V), dtype=v.dtype, device=v.device)
     if N == 0:
         return out
+    if "record" in stages and "verify" not in stages and proto != 0:
+        raise ValueError("the record rows are written by the verify loop: keep 'verify'")
     grid = (triton.cdiv(V, BV), N * HV)
     onepage_gdn_step_kernel[grid](
         A_log, a.contiguous(), b.contiguous(), dt_bias, 1.0, 20.0,
@@ -327,7 +406,8 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
         USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         HAS_ROW_MAP=row_map is not None,
         DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
-        DO_RECORD="record" in stages, PREFETCH=bool(prefetch),
+        DO_RECORD="record" in stages, PREFETCH=bool(prefetch), PROTO=int(proto),
+        HOIST=bool(hoist),
         num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES,
     )
     return out

@@ -32,6 +32,18 @@ from r9k.kernels.onepage import GdnHeads
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
 from r9k.kernels.triton_fused import onepage_fused_step
 
+
+def onepage_fused_step_kernel():
+    from r9k.kernels.triton_fused import onepage_gdn_step_kernel
+
+    return onepage_gdn_step_kernel
+
+
+def _stock_kernel():
+    from r9k.kernels._stock_loader import stock_spec_kernel
+
+    return stock_spec_kernel()
+
 SHAPES = {
     "27b-tp2": GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128),
     # Flash-Next (Qwen4Exp) per rank, from the planner's flash-next preset (transformers'
@@ -77,6 +89,32 @@ def time_graph_us(fn, launches: int = 20, reps: int = 15) -> float:
     return statistics.median(samples)
 
 
+def time_host_us(fn, calls: int = 200) -> float:
+    """Eager calls back to back, one synchronization at the end: per-call time when the host
+    (Python launch path) and not the GPU sets the pace."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def compiled_regs(kernel) -> list:
+    """(registers, spills) of every compiled instance of a Triton kernel, with its constexprs."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):  # unwrap @triton.heuristics
+        kernel = kernel.fn
+    found = []
+    for entry in kernel.device_caches.values():
+        for key, ck in entry[0].items():
+            found.append({"key": str(key)[-400:], "n_regs": getattr(ck, "n_regs", None),
+                          "n_spills": getattr(ck, "n_spills", None)})
+    return found
+
+
 def time_eager_us(fn, reps: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -90,7 +128,8 @@ def time_eager_us(fn, reps: int = 20) -> float:
 
 
 def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: int,
-                 accepted: int, dev: str, eager_composed: bool) -> dict:
+                 accepted: int, dev: str, eager_composed: bool, repeats: int = 5,
+                 variants: tuple = (), composed: bool = True) -> dict:
     g = torch.Generator().manual_seed(n)
     HK, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
     S, W = 1 + num_spec, heads.record_row_width
@@ -131,11 +170,11 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
 
     fused_pools = onepage_pools()
 
-    def run_fused(stages=("replay", "verify", "record"), prefetch=True):
+    def run_fused(stages=("replay", "verify", "record"), prefetch=True, **variant):
         pool, record, flag = fused_pools
         onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool, record=record,
                            flag=flag, state_indices=pages, num_accepted=acc, cu_seqlens=cu,
-                           stages=stages, prefetch=prefetch)
+                           stages=stages, prefetch=prefetch, **variant)
 
     # composed kernels only: the two stock launches one-page makes (indices prebuilt)
     comp_pool = onepage_pools()[0]
@@ -157,21 +196,35 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
 
     res = {"num_seqs": n, "state_dtype": str(state_dtype).replace("torch.", ""),
            "num_spec": num_spec, "accepted": accepted}
-    t = {
-        "stock": time_graph_us(run_stock),
-        "fused": time_graph_us(run_fused),
-        "fused_no_prefetch": time_graph_us(lambda: run_fused(prefetch=False)),
-        "composed_kernels": time_graph_us(run_composed_kernels),
-        "fused_no_record": time_graph_us(lambda: run_fused(("replay", "verify"))),
-        "fused_verify_only": time_graph_us(lambda: run_fused(("verify",))),
-        "fused_replay_only": time_graph_us(lambda: run_fused(("replay",))),
+    fns = {
+        "stock": run_stock,
+        "fused": run_fused,
+        # the kernel as it was before issue 16 part 5 (done counter per program after a tiled
+        # record write; per-token A_log / dt_bias loads)
+        "fused_before": lambda: run_fused(proto=0, hoist=False),
+        "fused_no_hoist": lambda: run_fused(hoist=False),
+        "fused_no_prefetch": lambda: run_fused(prefetch=False),
+        "fused_no_record": lambda: run_fused(("replay", "verify")),
+        "fused_verify_only": lambda: run_fused(("verify",)),
+        "fused_replay_only": lambda: run_fused(("replay",)),
     }
-    if eager_composed:
-        cpools = onepage_pools()
-        t["composed_step_eager"] = time_eager_us(lambda: onepage_spec_step(
-            **rows, A_log=A_log, dt_bias=dt_bias, ssm_state=cpools[0], record=cpools[1],
-            flag=cpools[2], state_indices=pages, num_accepted=acc, cu_seqlens=cu,
-            impl="composed"))
+    if variants:
+        fns = {k_: f for k_, f in fns.items() if k_ in variants or k_ in ("stock", "fused")}
+    if composed:
+        fns["composed_kernels"] = run_composed_kernels
+    # repeats interleave the variants (side by side); each sample is a median over graph
+    # replays, the reported time the median over repeats
+    samples = {k_: [] for k_ in fns}
+    for _ in range(repeats):
+        for k_, f in fns.items():
+            samples[k_].append(time_graph_us(f))
+    t = {k_: statistics.median(v_) for k_, v_ in samples.items()}
+    res["samples_us"] = {k_: [round(x, 2) for x in v_] for k_, v_ in samples.items()}
+    # the fused/stock ratio per repeat (one repeat's two numbers were measured back to back)
+    res["fused_ratio_per_repeat"] = [round(f_ / s_, 3) for f_, s_ in
+                                     zip(samples["fused"], samples["stock"])]
+    t["stock_eager_host"] = time_host_us(run_stock)
+    t["fused_eager_host"] = time_host_us(run_fused)
     res["time_us"] = {k_: round(v_, 2) for k_, v_ in t.items()}
     res["ratio_to_stock"] = {k_: round(v_ / t["stock"], 3) for k_, v_ in t.items()}
 
@@ -186,6 +239,7 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
         "fused_no_prefetch": 2 * state + n * accepted * rec_row + inputs + outputs + T * rec_row,
         "composed_kernels": 3 * state + n * accepted * (rec_row + HK * K * 2) + inputs + outputs,
     }
+    bytes_moved = {k_: v_ for k_, v_ in bytes_moved.items() if k_ in t}
     res["bytes_moved"] = bytes_moved
     res["achieved_bytes_per_s"] = {k_: bytes_moved[k_] / (t[k_] * 1e-6) for k_ in bytes_moved}
     return res
@@ -199,6 +253,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-spec", type=int, default=7)
     ap.add_argument("--accepted", type=int, default=4, help="tokens accepted last step (replayed)")
     ap.add_argument("--no-eager-composed", action="store_true")
+    ap.add_argument("--no-composed", action="store_true", help="skip the composed kernels")
+    ap.add_argument("--repeats", type=int, default=5, help="side-by-side repeats (median)")
+    ap.add_argument("--variants", default="", help="fused variants to time besides 'fused' "
+                    "(comma list; default all)")
     ap.add_argument("--out", default="bench/results/gdn_kernel.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,7 +274,9 @@ def main(argv=None) -> int:
         for dname in args.dtypes.split(","):
             for n in map(int, args.seqs.split(",")):
                 r = bench_config(SHAPES[shape], n, DTYPES[dname], args.num_spec, args.accepted,
-                                 dev, not args.no_eager_composed)
+                                 dev, not args.no_eager_composed, args.repeats,
+                                 tuple(x for x in args.variants.split(",") if x),
+                                 not args.no_composed)
                 r["shape"] = shape
                 r["bw_fraction_of_copy"] = {k: round(v / copy_bw, 3)
                                             for k, v in r["achieved_bytes_per_s"].items()}
@@ -226,28 +286,33 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(),
         "copy_bandwidth_bytes_per_s": copy_bw,
-        "method": "median per-launch time, 20 launches per CUDA graph, 15 graph replays",
+        "method": (f"per-launch time: median of {args.repeats} side-by-side repeats (variants "
+                   "interleaved), each the median of 15 replays of a CUDA graph of 20 launches; "
+                   "*_eager_host: eager calls back to back, one sync at the end"),
+        "compiled": {"fused": compiled_regs(onepage_fused_step_kernel()),
+                     "stock": compiled_regs(_stock_kernel())},
         "command": "python bench/scripts/gdn_kernel.py " + " ".join(argv or sys.argv[1:]),
         "results": results,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    cols = ["stock", "fused", "fused_no_prefetch", "composed_kernels", "fused_no_record",
-            "fused_verify_only",
-            "fused_replay_only", "composed_step_eager"]
+    cols = [c for c in ["stock", "fused", "fused_before", "fused_no_hoist", "fused_no_prefetch", "composed_kernels",
+                        "fused_no_record", "fused_verify_only", "fused_replay_only",
+                        "stock_eager_host", "fused_eager_host", "composed_step_eager"]
+            if any(c in r["time_us"] for r in results)]
     print(f"{doc['device']}  copy bandwidth {copy_bw / 1e12:.2f} TB/s  k={args.num_spec} "
           f"accepted={args.accepted}  (us; ratio to stock in brackets)")
-    print(f"{'shape':15} {'state':8} {'N':>4} " + " ".join(f"{c:>24}" for c in cols))
+    print(f"{'shape':15} {'state':8} {'N':>4} " + " ".join(f"{c:>20}" for c in cols))
     for r in results:
         cells = []
         for c in cols:
             if c in r["time_us"]:
-                cells.append(f"{r['time_us'][c]:>9.1f} [{r['ratio_to_stock'][c]:5.2f}]")
+                cells.append(f"{r['time_us'][c]:>8.2f} [{r['ratio_to_stock'][c]:5.3f}]")
             else:
                 cells.append("-")
         print(f"{r['shape']:15} {r['state_dtype']:8} {r['num_seqs']:>4} "
-              + " ".join(f"{c:>24}" for c in cells))
+              + " ".join(f"{c:>20}" for c in cells))
     print(f"wrote {out}")
     return 0
 
