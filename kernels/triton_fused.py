@@ -1,22 +1,25 @@
 """The fused one-page GDN verify step: one Triton kernel per (sequence, value head, V block).
 
 Per program, with the state tile [BV, K] in registers:
-1. count in on the page's flag (done word) as soon as the flag is read: the page's NV * HV
-   programs share one flag, and it may only flip once every one of them has read it;
+1. copy this step's candidate rows (post-conv k | v | a | b) into the page's other record slot,
+   as tiles off the token chain; the page's last program to count in (done counter, flag word 2)
+   sets the live count and flips the live slot, so no program reads a flag another one already
+   rewrote;
 2. replay the first min(num_accepted, live_count) rows of the live slot onto the checkpoint,
    store it once (rounded to the state dtype) and continue from the rounded value, exactly as
    stock re-reads a stored slot;
-3. run the candidate rows from there, storing their outputs and no state, and store each row
-   as loaded (post-conv k | v | a | b) into the page's other record slot;
-4. the page's leader (its program with the highest linear id, dispatched last) waits until the
-   others have counted in (normally already visible in the count it read before step 3), then
-   sets the live count, flips the live slot and resets the done word.
-Followers count in with a fire-and-forget release add and never wait; only the leader polls,
-and it waits only on programs dispatched before it, which wait on nothing. With `prefetch`
-(the default) row t + 1's inputs are loaded while row t computes.
+3. run the candidate rows from there, storing their outputs and no state.
+No program waits on another (each waits only for its own atomic's answer), so the kernel is
+correct under any order the GPU dispatches programs in. With `prefetch` (the default) row t + 1's
+inputs are loaded while row t computes; A_log and dt_bias are loaded once per program.
 
-`proto=0` keeps the protocol this kernel had before (record rows written as tiles up front, then
-every program takes a counted atomic whose answer it waits for): measurements only.
+`proto=1` (measurements only) is a protocol tried for issue 16: followers count in with a
+fire-and-forget add and the page's last-dispatched program (its leader) waits for them, then
+flips the flag, with the record rows stored from the verify loop. Fewer registers and faster at
+N >= 64 on the H200, slower at N <= 4 (bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3.md),
+and it relies on the GPU dispatching a page's programs in linear order, which neither CUDA nor
+HIP guarantees (a leader spinning ahead of unscheduled followers can deadlock; one development
+version hung the H200). So the shipped kernel keeps the wait-free protocol.
 
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
@@ -85,7 +88,7 @@ def onepage_gdn_step_kernel(
     DO_VERIFY: tl.constexpr,
     DO_RECORD: tl.constexpr,
     PREFETCH: tl.constexpr,
-    PROTO: tl.constexpr = 1,
+    PROTO: tl.constexpr = 0,
     HOIST: tl.constexpr = True,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -376,9 +379,9 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
                        state_indices, num_accepted, cu_seqlens, row_map=None,
                        use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
-                       prefetch=True, out=None, proto=1, hoist=True) -> torch.Tensor:
+                       prefetch=True, out=None, proto=0, hoist=True) -> torch.Tensor:
     """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
-    and rows of null pages are zero). `stages`, `proto` (0: the earlier record protocol) and
+    and rows of null pages are zero). `stages`, `proto` (1: the leader-waits protocol) and
     `hoist` (False: per-token A_log / dt_bias loads) are for measurements only."""
     T_all, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]

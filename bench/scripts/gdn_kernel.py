@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from r9k.capacity import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS
-from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
+from r9k.kernels.gpu_step import clear_flags
 from r9k.kernels.onepage import GdnHeads
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
 from r9k.kernels.triton_fused import onepage_fused_step
@@ -199,9 +199,10 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     fns = {
         "stock": run_stock,
         "fused": run_fused,
-        # the kernel as it was before issue 16 part 5 (done counter per program after a tiled
-        # record write; per-token A_log / dt_bias loads)
+        # the kernel as it was before issue 16 part 5 (per-token A_log / dt_bias loads)
         "fused_before": lambda: run_fused(proto=0, hoist=False),
+        # the leader-waits record protocol (measurements only: it assumes in-order dispatch)
+        "fused_proto1": lambda: run_fused(proto=1),
         "fused_no_hoist": lambda: run_fused(hoist=False),
         "fused_no_prefetch": lambda: run_fused(prefetch=False),
         "fused_no_record": lambda: run_fused(("replay", "verify")),
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    cols = [c for c in ["stock", "fused", "fused_before", "fused_no_hoist", "fused_no_prefetch", "composed_kernels",
+    cols = [c for c in ["stock", "fused", "fused_before", "fused_proto1", "fused_no_hoist", "fused_no_prefetch", "composed_kernels",
                         "fused_no_record", "fused_verify_only", "fused_replay_only",
                         "stock_eager_host", "fused_eager_host", "composed_step_eager"]
             if any(c in r["time_us"] for r in results)]
