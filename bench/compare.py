@@ -574,9 +574,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['median']:.3f} | {_median_range(row['ttft_ratio_onepage_over_stock'], '.3f')} |")
     cross = crossover(result["by_concurrency"])
     if cross:
-        lines += ["", f"Crossover: the median ratio rises through 1 between concurrency "
-                  f"{cross['below']} and {cross['above']} (~{cross['concurrency']:.1f}, "
-                  f"interpolated on log2 concurrency)."]
+        lines += ["", f"Crossover: the median ratio rises through 1 for good between "
+                  f"concurrency {cross['below']} and {cross['above']} "
+                  f"(~{cross['concurrency']:.1f}, interpolated on log2 concurrency)."]
+    elif len(result["by_concurrency"]) > 1:
+        lines += ["", "Crossover: none; the median ratio does not rise through 1 to stay "
+                  "above it over these levels."]
     return _capacity_markdown(result, lines)
 
 
@@ -628,13 +631,16 @@ def _capacity_markdown(result: dict[str, Any], lines: list[str]) -> str:
 
 
 def crossover(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Where the median one-page/stock throughput ratio first rises through 1 going up in
-    concurrency: the pair of levels around it and the crossing, interpolated on log2
-    concurrency (the plot's axis); None when it never crosses upward (or starts at >= 1)."""
+    """Where the median one-page/stock throughput ratio rises through 1 for good (the last upward
+    crossing; at light load the ratio may wander around 1): the pair of levels around it and the
+    crossing, interpolated on log2 concurrency (the plot's axis); None when it never crosses
+    upward (below 1 at the top, or never below 1)."""
     pts = [(r["concurrency"], r["throughput_ratio_onepage_over_stock"]["median"]) for r in rows
            if r["throughput_ratio_onepage_over_stock"].get("n")]
-    for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
-        if r0 < 1 <= r1:
+    for (c0, r0), (c1, r1) in reversed(list(zip(pts, pts[1:]))):
+        if r1 < 1:
+            return None
+        if r0 < 1:
             x0, x1 = math.log2(c0), math.log2(c1)
             at = 2 ** (x0 + (1 - r0) * (x1 - x0) / (r1 - r0))
             return {"below": c0, "above": c1, "concurrency": at}
@@ -695,11 +701,19 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         for ax in (a1, a2):
             ax.axvline(cross["concurrency"], color="C3", ls="--", lw=1,
                        label=f"crossover ~{cross['concurrency']:.1f}")
-        a2.legend(loc="upper left")
-    a1.legend()
+    capb = result.get("capacity")
+    if capb and len(cs) > 1:
+        for i, (m, label) in enumerate((("stock", "stock"), ("onepage", "one-page"))):
+            fit = min(capb["requests_fit"][m], capb["max_num_seqs"])
+            if cs[0] <= fit < cs[-1]:  # the pool (or max_num_seqs) caps running requests here
+                for ax in (a1, a2):
+                    ax.axvline(fit, color=f"C{i}", ls=":", lw=1,
+                               label=f"{label} runs at most {fit} (planner)")
+    a1.legend(fontsize=7)
+    if a2.get_legend_handles_labels()[0]:
+        a2.legend(loc="upper left", fontsize=7)
     if with_pool:
         a3 = axes[2]
-        capb = result.get("capacity")
         for i, (m, label) in enumerate((("stock", "stock"), ("onepage", "one-page"))):
             c, pool = series[m]
             ts = pool["series"]["t_s"]

@@ -141,6 +141,9 @@ def test_crossover_interpolates_on_log2_concurrency():
     cross = crossover(rows)
     assert (cross["below"], cross["above"]) == (2, 4)
     assert cross["concurrency"] == pytest.approx(2 ** 1.2)
+    wander = [row(1, 0.9), row(2, 1.1), row(4, 0.95), row(8, 1.3), row(16, 1.6)]
+    assert (crossover(wander)["below"], crossover(wander)["above"]) == (4, 8)  # the last one
+    assert crossover([row(1, 0.9), row(2, 1.2), row(4, 0.9)]) is None  # below 1 at the top
     assert crossover([row(1, 1.05), row(2, 1.2)]) is None          # never below 1
     assert crossover([row(1, 0.9), row(2, 0.95)]) is None          # never above
     assert crossover([row(1, 0.9), row(2, None), row(4, 1.0)])["concurrency"] == 4
@@ -223,3 +226,32 @@ def test_compare_records_the_scheduler_per_level_and_refuses_vllm_shared_prefix(
     r = CliRunner().invoke(main, ["bench", "compare", "--workload", "shared-prefix",
                                   "--client", "vllm"])
     assert r.exit_code == 2 and "no equivalent dataset" in r.output, r.output
+
+
+def test_sweep_markdown_and_plot_mark_crossover_and_pool_bounds(tmp_path):
+    from r9k.bench.compare import plot
+    w = Workload([1, 2, 4, 8, 16], 16, 1100, 64)
+    fit = {"stock": 4, "onepage": 9}
+    runs = []
+    for rep in range(2):
+        for mode in ("stock", "onepage") if rep == 0 else ("onepage", "stock"):
+            tps = {1: 70, 2: 105, 4: 170, 8: 175, 16: 175} if mode == "stock" else \
+                {1: 66, 2: 100, 4: 180, 8: 240, 16: 250}
+            runs.append({"repeat": rep, "mode": mode, "levels": [
+                level(c, tps[c], min(c, fit[mode]), 0) for c in w.concurrencies]})
+    capb = {"max_num_seqs": 16, "requests_fit": fit, "max_concurrency": {"stock": 4.92,
+            "onepage": 9.14}, "planner_tokens": {"stock": 6300, "onepage": 11700},
+            "planner_ratio": 1.857, "pinned_fraction_by_concurrency": {}}
+    res = {"workload": w.public(), "repeats": 2, "runs": runs, "capacity": capb,
+           **aggregate(runs, w)}
+    md = markdown(res)
+    # ratio 0.943 at 1 and 0.952 at 2, 1.059 at 4: crossing 2..4 at 2 ** (1 + 0.048 / 0.107)
+    assert "rises through 1 for good between concurrency 2 and 4 (~2.7," in md
+    assert "| 16 | one-page | 9 (pool 9.14x) | 9 (9..9) |" in md
+    assert plot(res, tmp_path / "sweep.png") and (tmp_path / "sweep.png").stat().st_size > 1000
+    for run in runs:                                     # one-page never behind: no crossover
+        if run["mode"] == "onepage":
+            run["levels"][0]["output_tokens_per_s"] = 75
+            run["levels"][1]["output_tokens_per_s"] = 110
+    res.update(aggregate(runs, w))
+    assert "Crossover: none" in markdown(res)
