@@ -39,6 +39,7 @@ log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
 EXPORTER_PID_FILE = "exporter.pid"
 SUPERVISOR_TIMEOUT_S = 10.0
+ADOPT_PROBE_TIMEOUT_S = 20.0      # a restarted controller re-proves adopted replicas before serving
 EXPORTER_BACKOFF_S = 1.0          # first restart of an exited exporter; doubles per restart
 EXPORTER_BACKOFF_MAX_S = 60.0
 HISTORY_LINES = 20
@@ -126,15 +127,22 @@ class FleetController(Backend):
                                 self.cfg.platform)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         self.probe = HttpProbe(self.session)
-        self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port)
         for slot in slots:  # config order: replica ports follow it
             a = adopted[slot.name][0] if slot.name in adopted else placed[slot.name]
             self.replicas[slot.name] = Replica(slot.name, self.cfg.model(a.model).for_replica(slot.name), a,
                                                ReplicaLifecycle(slot.name, self.cfg.health))
+        for name in adopted:
+            self._adopt(self.replicas[name], *adopted[name][1:])
+        if adopted:  # proven again before the entry point opens: no window of 503s
+            try:
+                await asyncio.wait_for(asyncio.gather(
+                    *(self._probe(self.replicas[n]) for n in adopted)), ADOPT_PROBE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("adopted replicas not all proven within %.0f s; the monitor goes on",
+                            ADOPT_PROBE_TIMEOUT_S)
+        self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port)
         for name, r in self.replicas.items():
-            if name in adopted:
-                self._adopt(r, *adopted[name][1:])
-            else:
+            if name not in adopted:
                 self._spawn(r, self._launch(r))
         self.monitor_task = asyncio.create_task(self._monitor())
         self._start_exporter()

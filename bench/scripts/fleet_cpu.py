@@ -153,6 +153,20 @@ class Fleet:
             time.sleep(1)
         raise TimeoutError(f"fleet not ready after {timeout_s} s")
 
+    def wait_replaced(self, name: str, old_pid: int, timeout_s: float = 600) -> dict:
+        """Until replica `name` runs again, under a new pid, and both replicas are ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                st = self.status()
+                if self.pids().get(name) not in (None, old_pid) and \
+                        sorted(r["state"] for r in st["replicas"]) == ["ready", "ready"]:
+                    return st
+            except Exception:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{name} not restarted after {timeout_s} s")
+
     def controller_pid(self) -> int:
         return json.loads((self.run_dir / "controller.json").read_text())["pid"]
 
@@ -211,11 +225,13 @@ def phase_sanity_kill(fleet: Fleet, a, out: Path) -> dict:
            "--concurrency", "16", "--calibration", str(ROOT / "results/sanity_cpu_calibration.json"),
            "--timeout", "300", "--quiet", "--out", str(out)]
     proc = run_cli(cmd)
-    time.sleep(a.kill_after_s)
+    time.sleep(a.sanity_kill_after_s)
+    assert proc.poll() is None, "the sanity run ended before the fault: lower --sanity-kill-after-s"
     fault = kill_replica(fleet, "tiny-0")
     rc = proc.wait()
+    fault["client_still_running_at_kill"] = True
     after = fleet.entry_counts()
-    st = fleet.wait_ready()
+    st = fleet.wait_replaced("tiny-0", fault["pid"])
     client = json.loads(out.read_text())
     return {"command": shlex.join(["r9k", *cmd[1:]]), "rc": rc, "fault": fault,
             "client": {k: client.get(k) for k in ("requests_sent", "ok", "bad", "errors",
@@ -234,10 +250,10 @@ def soak_cmd(fleet: Fleet, out: Path, duration_s: float, extra: list[str]) -> li
 
 def phase_controller_kill(fleet: Fleet, a, out: Path) -> dict:
     before = fleet.entry_counts()
-    pids_before = fleet.pids()
     cmd = soak_cmd(fleet, out, a.short_soak_s, ["--outage-tolerance", "300"])
     proc = run_cli(cmd)
     time.sleep(a.kill_after_s)
+    pids_before = fleet.pids()
     at_kill = fleet.entry_counts()
     cpid = fleet.controller_pid()
     os.kill(cpid, signal.SIGKILL)
@@ -308,7 +324,7 @@ def phase_soak_kill(fleet: Fleet, a, out: Path) -> dict:
     fault = kill_replica(fleet, "tiny-0")
     rc = proc.wait()
     after = fleet.entry_counts()
-    st = fleet.wait_ready()
+    st = fleet.wait_replaced("tiny-0", fault["pid"])
     client = json.loads(out.read_text())
     mem = client.get("memory", {})
     return {"command": shlex.join(["r9k", *cmd[1:]]), "rc": rc, "fault": fault,
@@ -506,7 +522,8 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/r9k-fleet-bench"))
     ap.add_argument("--results", type=Path, default=ROOT / "results")
     ap.add_argument("--requests", type=int, default=2000, help="sanity requests")
-    ap.add_argument("--kill-after-s", type=float, default=60)
+    ap.add_argument("--kill-after-s", type=float, default=60, help="controller kill, into the soak")
+    ap.add_argument("--sanity-kill-after-s", type=float, default=15)
     ap.add_argument("--short-soak-s", type=float, default=300)
     ap.add_argument("--soak-s", type=float, default=660)
     ap.add_argument("--soak-kill-after-s", type=float, default=180)
