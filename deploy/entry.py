@@ -67,7 +67,8 @@ class EntryPoint:
             "r9k_entry_requests", "Requests through the entry point by outcome: served (2xx), "
             "rejected (4xx: bad request, key, unknown model, or the replica's 4xx), errored (5xx "
             "from the entry point or a replica), broken (a replica died after the answer "
-            "started: a stream ends with an error event)", ["outcome"], registry=self.registry)
+            "started: a stream ends with an error event), cancelled (the client left "
+            "mid-stream)", ["outcome"], registry=self.registry)
         self.retries = Counter("r9k_entry_retries", "Requests sent again to another replica "
                                "because the first dropped them before answering",
                                registry=self.registry)
@@ -173,6 +174,10 @@ class EntryPoint:
                 route.served += 1
                 return response
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                sent = request.get("r9k_response")
+                if sent is not None:  # the client has (part of) an answer: never send another
+                    route.served += 1
+                    return sent
                 # No byte of an answer reached the client (a replica that died before the health
                 # probe saw it, or mid-way through a plain body, which is buffered): completions
                 # have no side effects, so the next replica may take it.
@@ -196,29 +201,51 @@ class EntryPoint:
                 out_headers.pop("Content-Length", None)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
+            request["r9k_response"] = response  # bytes may reach the client from here on
             try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                await response.prepare(request)
+                await self._relay(upstream, response, route)
+            except ConnectionError:  # the client went away (aiohttp's reset error is one too)
+                if not getattr(response, "r9k_relayed", False):
+                    response.r9k_client_gone = True
+            return response
+
+    @staticmethod
+    async def _relay(upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                     route: Route) -> None:
+        """The replica's stream to the client. Reading and writing fail differently: a read
+        error is the replica dying (the stream ends with a well-formed error event, OpenAI's
+        shape, and [DONE]); a write error (ConnectionError) is the client leaving, for the
+        caller."""
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                # the replica died mid-stream: it ends with a well-formed error event
-                # (OpenAI's shape) and [DONE]
                 response.r9k_broken = True
                 event = {"error": {"message": f"replica {route.name} dropped the stream "
                                               f"({type(exc).__name__})",
                                    "type": "BadGateway", "code": 502}}
                 await response.write(f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
-            await response.write_eof()
-            return response
+                break
+            await response.write(chunk)
+        response.r9k_relayed = not getattr(response, "r9k_broken", False)
+        await response.write_eof()
 
 
-OUTCOMES = ("served", "rejected", "errored", "broken")
+# served: answered (2xx); rejected: 4xx, by the entry point or the replica; errored: 5xx;
+# broken: a stream its replica dropped mid-answer; cancelled: the client left mid-stream
+OUTCOMES = ("served", "rejected", "errored", "broken", "cancelled")
 MAX_TRIES = 2  # a request a replica dropped before answering goes to one other replica
 
 
 def _outcome(response: web.StreamResponse) -> str:
     if getattr(response, "r9k_broken", False):
         return "broken"
+    if getattr(response, "r9k_client_gone", False):
+        return "cancelled"
     if response.status < 400:
         return "served"
     return "rejected" if response.status < 500 else "errored"

@@ -31,6 +31,14 @@ def replica_app(name: str, mode: str) -> web.Application:
                 await asyncio.sleep(0.05)
             request.transport.close()
             return resp
+        if mode == "slow-stream":  # a long stream, one event every 50 ms
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(int(body.get("events", 40))):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                await asyncio.sleep(0.05)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         if mode == "cut-body":  # a plain answer's headers and half its body, then death
             resp = web.StreamResponse(headers={"Content-Type": "application/json",
                                                "Content-Length": "400"})
@@ -50,7 +58,7 @@ def fleet():
     servers = LoopServers()
     routes = [Route(name, "m", servers.app(replica_app(name, mode)))
               for name, mode in (("good", "ok"), ("teapot", "teapot"), ("broken", "broken"),
-                                 ("cut-body", "cut-body"))]
+                                 ("cut-body", "cut-body"), ("slow", "slow-stream"))]
     for name in ("dead-1", "dead-2"):
         routes.append(Route(name, "m", f"http://127.0.0.1:{free_port()}", outstanding=-9))
     table = Table(routes)
@@ -84,7 +92,8 @@ def test_each_request_ends_as_one_counted_outcome(fleet):
     fleet.table.ready = set()
     assert post(fleet, {"model": "m"}).status == 503             # errored, names the states
     got = outcomes(fleet)
-    assert got == {"served": 1, "rejected": 3, "errored": 1, "broken": 0, "retries": 0}, got
+    assert got == {"served": 1, "rejected": 3, "errored": 1, "broken": 0, "cancelled": 0,
+                   "retries": 0}, got
 
 
 def test_a_dropped_request_is_retried_once_then_502(fleet):
@@ -123,3 +132,39 @@ def test_a_plain_answer_cut_mid_body_is_retried_on_another_replica(fleet):
     assert resp.status == 200 and resp.json()["replica"] == "good", resp.text
     got = outcomes(fleet)
     assert (got["served"], got["broken"], got["retries"]) == (1, 0, 1), got
+
+
+def test_a_client_leaving_is_never_retried_and_counts_once(fleet):
+    """Seen in the fleet soak: a client closing its connection as a stream ends made the
+    server-side write raise aiohttp's ClientConnectionResetError, a ClientConnectionError, which
+    the entry point took for a dropped request: it sent the request to another replica and
+    counted an error the client never saw. Now a client that reads the whole stream and hangs
+    up counts served; one that leaves mid-stream counts cancelled; neither is retried."""
+    import socket
+    import time
+
+    fleet.table.ready = {"slow"}
+    host, port = fleet.url.removeprefix("http://").split(":")
+
+    def raw_stream(events: int, read_until: bytes) -> bytes:
+        body = json.dumps({"model": "m", "stream": True, "events": events}).encode()
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while read_until not in got:
+            got += s.recv(65536)
+        s.close()  # hang up at once, as a client that stops reading does
+        return got
+
+    assert b"[DONE]" in raw_stream(3, b"[DONE]")       # whole answer, then gone
+    assert b'"i": 2' in raw_stream(40, b'"i": 2')      # gone after 3 of 40 events
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = outcomes(fleet)
+        if got["served"] + got["cancelled"] == 2:
+            break
+        time.sleep(0.2)
+    assert (got["served"], got["cancelled"], got["errored"], got["retries"]) == (1, 1, 0, 0), got
+    served = {r.name: r.served for r in fleet.table.all}
+    assert served["slow"] == 2 and sum(served.values()) == 2, served
