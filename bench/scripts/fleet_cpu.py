@@ -167,6 +167,23 @@ class Fleet:
             time.sleep(1)
         raise TimeoutError(f"{name} not restarted after {timeout_s} s")
 
+    def wait_idle(self, timeout_s: float = 120) -> None:
+        """Until no replica runs or queues a request (a run starts from quiet engines)."""
+        from r9k.bench.compare import read_metrics_text
+        from r9k.vllm_metrics import parse_vllm_metrics
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            busy = 0.0
+            for r in self.status()["replicas"]:
+                m = parse_vllm_metrics(read_metrics_text(r["url"]) or "")
+                busy += (m.running or 0) + (m.waiting or 0)
+            if busy == 0:
+                time.sleep(2)  # a probe of the idle engines reaches the router
+                return
+            time.sleep(0.5)
+        raise TimeoutError("replicas not idle")
+
     def controller_pid(self) -> int:
         return json.loads((self.run_dir / "controller.json").read_text())["pid"]
 
@@ -405,6 +422,7 @@ def phase_routers(fleet: Fleet, a, out: Path) -> dict:
         fleet.up()
         st = fleet.wait_ready()
         log(f"routing {policy}: replicas adopted, pids {[r['pid'] for r in st['replicas']]}")
+        fleet.wait_idle()
         level = shared_prefix_level(fleet, seed=1000 + i, a=a)
         level.update(policy=policy, round=i // 3)
         log(f"routing {policy}: hit rate {level['prefix_cache_hit_rate']}, "
@@ -447,6 +465,7 @@ def phase_mixed(fleet: Fleet, a, out: Path) -> dict:
             fleet.write_config(policy)
             fleet.up()
         st = fleet.wait_ready()
+        fleet.wait_idle()
         urls = {r["name"]: (r["url"], r["page_mode"]) for r in st["replicas"]}
         log(f"mixed fleet, routing {policy}: {[(n, m) for n, (u, m) in urls.items()]}")
         samples: list[dict] = []
@@ -527,8 +546,8 @@ def main() -> int:
     ap.add_argument("--short-soak-s", type=float, default=300)
     ap.add_argument("--soak-s", type=float, default=660)
     ap.add_argument("--soak-kill-after-s", type=float, default=180)
-    ap.add_argument("--router-requests", type=int, default=96)
-    ap.add_argument("--router-rounds", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--router-requests", type=int, default=288)
+    ap.add_argument("--router-rounds", type=int, default=2, choices=(1, 2))
     ap.add_argument("--prefix-groups", type=int, default=6)
     ap.add_argument("--prefix-chars", type=int, default=1536)
     ap.add_argument("--suffix-chars", type=int, default=64)
@@ -536,8 +555,8 @@ def main() -> int:
     ap.add_argument("--mixed-prompt-tokens", type=int, default=1000)
     ap.add_argument("--mixed-output-tokens", type=int, default=64)
     ap.add_argument("--mixed-clients", type=int, default=10)
-    ap.add_argument("--mixed-requests", type=int, default=40)
-    ap.add_argument("--mixed-rounds", type=int, default=1)
+    ap.add_argument("--mixed-requests", type=int, default=200)
+    ap.add_argument("--mixed-rounds", type=int, default=2)
     a = ap.parse_args()
     phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
     unknown = set(phases) - set(PHASES)
