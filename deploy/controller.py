@@ -319,6 +319,7 @@ class FleetController(Backend):
         assert a is not None
         r.lc.placing(a.host, a.cards)
         argv, env, spec = self._launch_spec(r.model, a)
+        spec["avoid_ports"] = [self._port(o) for o in self.replicas.values() if o is not r]
         r.ray = await RayReplica.place(r.name, a, self.cfg, argv, env, str(self.run_dir / "logs"),
                                        self._port(r), spec)
         await self._start_engine(r)
@@ -331,6 +332,11 @@ class FleetController(Backend):
     async def _start_engine(self, r: Replica) -> None:
         assert r.ray is not None
         info = await r.ray.start_engine()
+        taken = [o.name for o in self.replicas.values()
+                 if o is not r and o.route is not None and o.route.url == info["url"]]
+        if taken:  # a port race lost: never route two replicas to one server
+            await r.ray.kill_engine()
+            raise RuntimeError(f"engine started at {info['url']}, which {taken[0]} serves")
         r.route = Route(r.name, r.model.name, info["url"], api_key=self.api_key)
         r.pid = info["pid"]
         self._note(r, r.lc.engine_started(time.monotonic(), info["start"], info["pid"], info["url"], info["log"]))

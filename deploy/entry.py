@@ -37,6 +37,7 @@ class Route:
     last_pick: int = 0          # router's pick counter when this replica was last chosen
     api_key: str | None = field(default=None, repr=False)
     engine: EngineLoad | None = None  # the engine's own state, from the controller's probe
+    refused_until: float = 0.0  # monotonic: refused a connection; skipped until then
 
 
 class Backend(Protocol):
@@ -157,8 +158,12 @@ class EntryPoint:
         while True:
             route = None
             if len(tried) < MAX_TRIES:
-                route = choose([r for r in self.backend.routes(model) if r.name not in tried],
-                               self.routing, time.monotonic(), key)
+                now = time.monotonic()
+                ready = [r for r in self.backend.routes(model) if r.name not in tried]
+                # a replica that just refused a connection (dead before the probe saw it) is
+                # skipped for REFUSED_SKIP_S while another can take the request
+                up = [r for r in ready if r.refused_until <= now] or ready
+                route = choose(up, self.routing, now, key)
             if route is None:
                 if tried:
                     return _error(502, f"replicas of {model!r} dropped the request before answering: "
@@ -182,6 +187,8 @@ class EntryPoint:
                 # probe saw it, or mid-way through a plain body, which is buffered): completions
                 # have no side effects, so the next replica may take it.
                 tried[route.name] = type(exc).__name__
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    route.refused_until = time.monotonic() + REFUSED_SKIP_S
             finally:
                 route.outstanding -= 1
 
@@ -239,6 +246,7 @@ class EntryPoint:
 # broken: a stream its replica dropped mid-answer; cancelled: the client left mid-stream
 OUTCOMES = ("served", "rejected", "errored", "broken", "cancelled")
 MAX_TRIES = 2  # a request a replica dropped before answering goes to one other replica
+REFUSED_SKIP_S = 5.0  # a replica that refused a connection gets no requests this long
 
 
 def _outcome(response: web.StreamResponse) -> str:

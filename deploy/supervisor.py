@@ -16,7 +16,10 @@ from r9k.deploy.server import STOP_GRACE_S, ServerProcess
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Bindable as the replica's server binds it (SO_REUSEADDR, as vLLM's launcher sets): a port
+    left in TIME_WAIT by a stopped replica is free, one with a listener is not."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -50,7 +53,11 @@ class ReplicaProcess:
         self.kill()
         host = ray.util.get_node_ip_address() if self.bind == "node-ip" else self.bind
         lo, hi = self.port_range
-        order = ([self.preferred_port] if self.preferred_port else []) + list(range(lo, hi + 1))
+        # other replicas' own ports are never a fallback: two replicas starting at once would
+        # both find the port free and race for it
+        avoid = set(self.spec.get("avoid_ports") or ())
+        order = ([self.preferred_port] if self.preferred_port else []) + \
+            [p for p in range(lo, hi + 1) if p not in avoid]
         port = next((p for p in order if _port_free(host, p)), None)
         if port is None:
             raise RuntimeError(f"no free port in {lo}-{hi} on {host}")

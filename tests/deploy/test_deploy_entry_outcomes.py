@@ -97,16 +97,26 @@ def test_each_request_ends_as_one_counted_outcome(fleet):
 
 
 def test_a_dropped_request_is_retried_once_then_502(fleet):
+    from r9k.deploy.entry import REFUSED_SKIP_S
+
+    routes = {r.name: r for r in fleet.table.all}
     fleet.table.ready = {"dead-1", "good"}  # dead-1 has the fewest outstanding: tried first
     resp = post(fleet, {"model": "m"})
     assert resp.status == 200 and resp.json()["replica"] == "good"
-    fleet.table.ready = {"dead-1", "dead-2", "good"}  # two dead first: one retry only
+    # dead-1 refused: skipped while another replica can take requests (no retry needed)
+    assert routes["dead-1"].refused_until > 0
+    resp = post(fleet, {"model": "m"})
+    assert resp.status == 200 and outcomes(fleet)["retries"] == 1
+    fleet.table.ready = {"dead-1", "dead-2"}  # only refusing replicas: each tried, one retry
+    routes["dead-1"].refused_until -= REFUSED_SKIP_S
     resp = post(fleet, {"model": "m"})
     assert resp.status == 502
     msg = resp.json()["error"]["message"]
     assert "dead-1 (ClientConnectorError)" in msg and "dead-2 (ClientConnectorError)" in msg
+    resp = post(fleet, {"model": "m"})  # both skipped but nothing else: tried anyway
+    assert resp.status == 502
     got = outcomes(fleet)
-    assert (got["served"], got["errored"], got["retries"]) == (1, 1, 2), got
+    assert (got["served"], got["errored"], got["retries"]) == (2, 2, 3), got
 
 
 def test_a_stream_cut_mid_answer_ends_with_an_error_event(fleet):

@@ -177,3 +177,43 @@ def test_install_units_refuses_a_fleet_it_cannot_keep_alive(tmp_path, address, h
                                     str(dest)])
     assert res.exit_code == 2 and error in res.output, res.output
     assert not dest.exists()
+
+
+def test_supervisor_never_falls_back_onto_another_replicas_port(tmp_path):
+    """Found in the fleet run: a replica whose own port looked busy (TIME_WAIT, probed without
+    SO_REUSEADDR) fell back to the next port, another replica's own, and both servers ran on
+    one URL. The probe binds as the server does (a TIME_WAIT port is free), and the fallback
+    skips the other replicas' ports."""
+    import socket
+
+    from r9k.deploy.supervisor import ReplicaProcess, _port_free
+
+    lo = free_port()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", lo))
+    listener.listen()
+    # a port with a closed connection in TIME_WAIT (the server side closed first)
+    tw = socket.socket()
+    tw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tw_port = lo + 3
+    try:
+        tw.bind(("127.0.0.1", tw_port))
+    except OSError:
+        pytest.skip("port range not free")
+    tw.listen()
+    c = socket.create_connection(("127.0.0.1", tw_port))
+    conn, _ = tw.accept()
+    conn.close()  # server closes first: TIME_WAIT on tw_port
+    c.close()
+    tw.close()
+    assert _port_free("127.0.0.1", tw_port)
+    assert not _port_free("127.0.0.1", lo)
+    p = ReplicaProcess("m-0", [sys.executable, "-c", "import time; time.sleep(60)", "{port}"],
+                       str(tmp_path), "127.0.0.1", (lo, lo + 9), preferred_port=lo,
+                       spec={"avoid_ports": [lo + 1, lo + 2]})
+    try:
+        info = p.start()
+        assert info["url"] == f"http://127.0.0.1:{tw_port}", info
+    finally:
+        p.kill()
+        listener.close()
