@@ -68,8 +68,7 @@ def _onepage_states(state_base_addrs: torch.Tensor,
     if state_base_addrs.is_cpu:
         key = (tuple(state_base_addrs.tolist()), tuple(state_group_indices.tolist()))
     else:
-        key = (str(state_base_addrs.device), state_base_addrs.data_ptr(),
-               state_base_addrs.numel())
+        key = _device_key(state_base_addrs)
     if key in _resolved:
         return _resolved[key]
     addrs = [a & ((1 << 64) - 1) for a in state_base_addrs.tolist()]
@@ -97,6 +96,11 @@ def _onepage_states(state_base_addrs: torch.Tensor,
                 i += 1
     _resolved[key] = out
     return out
+
+
+def _device_key(t: torch.Tensor) -> tuple:
+    """Names vLLM's persistent per-state metadata tensor on a GPU without reading it."""
+    return (str(t.device), t.data_ptr(), t.numel())
 
 
 def _replay(onepage: dict[int, tuple[object, int]], req, src_col, dst_col, num_rows,
@@ -190,7 +194,7 @@ _stock_meta: dict[tuple, dict[str, torch.Tensor]] = {}
 def _stock_state_meta(args: dict, onepage: dict) -> dict[str, torch.Tensor]:
     """The metadata arrays without the one-page SSM states (device copies, made once)."""
     addrs = args["state_base_addrs_ptr"]
-    key = (str(addrs.device), addrs.data_ptr(), addrs.numel())
+    key = _device_key(addrs)
     if key not in _stock_meta:
         keep = [i for i in range(addrs.numel()) if i not in onepage]
         if not keep:

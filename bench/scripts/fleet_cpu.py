@@ -29,11 +29,12 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from r9k.devtools.demo import free_port
 
 ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))
@@ -42,12 +43,6 @@ PHASES = ("sanity-kill", "controller-kill", "rolling", "soak-kill", "routers", "
 ROUTING_POLICIES = ("least-outstanding", "pool-aware", "prefix-affinity")
 MIXED_POLICIES = ("round-robin", "pool-aware")
 MIXED_KV_BYTES = 16 << 20     # 1,064-token requests: stock fits 4, one-page 7 (the planner)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log(msg: str) -> None:
@@ -358,6 +353,25 @@ def phase_soak_kill(fleet: Fleet, a, out: Path) -> dict:
                                for r in st["replicas"]]}
 
 
+def stream_body(prompt: str, max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def closed_loop(url: str, make_payload, total: int, clients: int, timeout_s: float):
+    """`clients` in flight until `total` requests: (results, why it stopped early, wall s)."""
+    from r9k.bench.client import drive, new_session
+
+    async def go():
+        async with new_session(clients) as session:
+            return await drive(make_payload, session, url, concurrency=clients, total=total,
+                               timeout_s=timeout_s)
+
+    t0 = time.monotonic()
+    results, stop = asyncio.run(go())
+    return results, stop, time.monotonic() - t0
+
+
 def replica_prefix_counts(st: dict) -> dict[str, dict[str, float] | None]:
     from r9k.bench.compare import prefix_cache_counts, read_metrics_text
 
@@ -368,8 +382,7 @@ def replica_prefix_counts(st: dict) -> dict[str, dict[str, float] | None]:
 def shared_prefix_level(fleet: Fleet, seed: int, a) -> dict:
     import random
 
-    from r9k.bench.client import drive, new_session
-    from r9k.bench.compare import shared_prefix_prompts
+    from r9k.bench.compare import prefix_cache_delta, shared_prefix_prompts
     from r9k.bench.stats import summarize
 
     rng = random.Random(seed)
@@ -378,29 +391,18 @@ def shared_prefix_level(fleet: Fleet, seed: int, a) -> dict:
 
     def make_payload(i: int):
         group, prompt = prompts[i]
-        return ({"model": "tiny", "prompt": prompt, "max_tokens": a.router_output_tokens,
-                 "temperature": 0, "ignore_eos": True, "stream": True,
-                 "stream_options": {"include_usage": True}}, {"group": group})
+        return stream_body(prompt, a.router_output_tokens), {"group": group}
 
-    async def go():
-        async with new_session(8) as session:
-            return await drive(make_payload, session, fleet.url, concurrency=8,
-                               total=len(prompts), timeout_s=300)
-
-    st = fleet.status()
-    before = replica_prefix_counts(st)
+    before = replica_prefix_counts(fleet.status())
     routed_before = fleet.entry_counts()
-    t0 = time.monotonic()
-    results, stop = asyncio.run(go())
-    wall = time.monotonic() - t0
+    results, stop, wall = closed_loop(fleet.url, make_payload, len(prompts), 8, 300)
     after = replica_prefix_counts(fleet.status())
     routed = delta(fleet.entry_counts(), routed_before)
     ok = [r for r in results if r.status == "ok"]
-    q = sum((after[n] or {}).get("queries", 0) - (before[n] or {}).get("queries", 0) for n in after)
-    h = sum((after[n] or {}).get("hits", 0) - (before[n] or {}).get("hits", 0) for n in after)
-    per_replica = {n: {"queries": (after[n] or {}).get("queries", 0) - (before[n] or {}).get("queries", 0),
-                       "hits": (after[n] or {}).get("hits", 0) - (before[n] or {}).get("hits", 0)}
-                   for n in after}
+    per_replica = {n: {k: prefix_cache_delta(before[n], after[n])[k] or 0
+                       for k in ("queries", "hits")} for n in after}
+    q = sum(d["queries"] for d in per_replica.values())
+    h = sum(d["hits"] for d in per_replica.values())
     tokens = sum(r.completion_tokens or 0 for r in ok)
     return {"requests": len(results), "ok": len(ok), "stopped_early": stop,
             "wall_s": round(wall, 2), "output_tokens_per_s": round(tokens / wall, 2),
@@ -441,7 +443,6 @@ def phase_mixed(fleet: Fleet, a, out: Path) -> dict:
     import random
     import threading
 
-    from r9k.bench.client import drive, new_session
     from r9k.bench.compare import capacity_block, expected_running
     from r9k.bench.soak import prompt_of_length
     from r9k.bench.stats import summarize
@@ -487,21 +488,14 @@ def phase_mixed(fleet: Fleet, a, out: Path) -> dict:
         rng = random.Random(100 + i)
 
         def make_payload(k: int):
-            return ({"model": "tiny", "prompt": prompt_of_length(rng, k, a.mixed_prompt_tokens),
-                     "max_tokens": a.mixed_output_tokens, "temperature": 0, "ignore_eos": True,
-                     "stream": True, "stream_options": {"include_usage": True}}, {})
-
-        async def go():
-            async with new_session(a.mixed_clients) as session:
-                return await drive(make_payload, session, fleet.url, concurrency=a.mixed_clients,
-                                   total=a.mixed_requests, timeout_s=600)
+            return stream_body(prompt_of_length(rng, k, a.mixed_prompt_tokens),
+                               a.mixed_output_tokens), {}
 
         routed_before = fleet.entry_counts()
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
-        t0 = time.monotonic()
-        results, stopped = asyncio.run(go())
-        wall = time.monotonic() - t0
+        results, stopped, wall = closed_loop(fleet.url, make_payload, a.mixed_requests,
+                                             a.mixed_clients, 600)
         stop.set()
         thread.join()
         routed = delta(fleet.entry_counts(), routed_before)
