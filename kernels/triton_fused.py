@@ -13,13 +13,21 @@ No program waits on another (each waits only for its own atomic's answer), so th
 correct under any order the GPU dispatches programs in. With `prefetch` (the default) row t + 1's
 inputs are loaded while row t computes; A_log and dt_bias are loaded once per program.
 
-`proto=1` (measurements only) is a protocol tried for issue 16: followers count in with a
-fire-and-forget add and the page's last-dispatched program (its leader) waits for them, then
-flips the flag, with the record rows stored from the verify loop. Fewer registers and faster at
-N >= 64 on the H200, slower at N <= 4 (bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3.md),
-and it relies on the GPU dispatching a page's programs in linear order, which neither CUDA nor
-HIP guarantees (a leader spinning ahead of unscheduled followers can deadlock; one development
-version hung the H200). So the shipped kernel keeps the wait-free protocol.
+Measured variants (issue 16, `kernel_config`; none is the default until the H200 shows it is
+bit-identical and faster, see bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3.md):
+- `late`: count in before the state and row loads with a release add and look at the answer
+  after the verify loop, so no program stalls on the atomic's round trip; the page's last to
+  count in flips the flag at its end (an acquire on the reset orders the flip after the counts).
+  Still wait-free.
+- `rec_in_verify`: the record rows are stored from the verify loop's loads (no tile loads).
+- `prefetch=2`: the first candidate row is loaded after the replay (fewer live registers).
+- `pipe`: q / k normalization and gates are computed one row ahead, so they overlap the previous
+  row's state update instead of preceding it (same values, same arithmetic).
+- `maxnreg` (CUDA) / `waves_per_eu` (ROCm): a register cap, so an SM or SIMD holds as many
+  programs as it holds of stock (bench/results/gdn_kernel_static_flashnext_k3.md); arithmetic
+  unchanged.
+A leader-waits protocol measured earlier (faster at N >= 64, but it relies on in-order dispatch
+and once hung the H200) was removed.
 
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
@@ -45,9 +53,25 @@ STOCK_NUM_STAGES = 3
 _F_COUNT = tl.constexpr(FLAG_COUNT)
 _F_SLOT = tl.constexpr(FLAG_SLOT)
 _F_DONE = tl.constexpr(FLAG_DONE)
-# the leader's wait for its page's other programs: they were dispatched before it and wait on
-# nothing, so it ends after a few polls; the bound only matters for invalid input
-_SPIN_LIMIT = tl.constexpr(1 << 22)
+
+
+@triton.jit
+def _gates(c_a, c_b, c_dtb, c_negA, beta, threshold):
+    """exp(g) and beta of one row: the stock kernel's lines, in its order."""
+    x = c_a.to(tl.float32) + c_dtb
+    softplus_x = tl.where(
+        beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
+    )
+    b_g = c_negA * softplus_x
+    b_beta = tl.sigmoid(c_b.to(tl.float32))
+    return tl.exp(b_g), b_beta
+
+
+@triton.jit
+def _l2norm(x, USE_QK_L2NORM_IN_KERNEL: tl.constexpr):
+    if USE_QK_L2NORM_IN_KERNEL:
+        x = x * (tl.rsqrt(tl.sum(x * x) + 1e-6))
+    return x
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -88,8 +112,9 @@ def onepage_gdn_step_kernel(
     DO_VERIFY: tl.constexpr,
     DO_RECORD: tl.constexpr,
     PREFETCH: tl.constexpr,
-    PROTO: tl.constexpr = 0,
-    HOIST: tl.constexpr = True,
+    LATE: tl.constexpr = False,
+    REC_IN_VERIFY: tl.constexpr = False,
+    PIPE: tl.constexpr = False,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -125,23 +150,14 @@ def onepage_gdn_step_kernel(
     n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
     new_slot = 1 - live_slot
     n_rows = tl.minimum(T, S)
-    # the page's programs count in on the flag's done word; the one dispatched last (highest
-    # linear id) is the page's leader: it waits for the others' counts, then flips the flag
-    leader = (i_v == NV - 1) & (i_hv == HV - 1)
-    follower = (i_v != NV - 1) | (i_hv != HV - 1)
-    if DO_RECORD and PROTO == 1:
-        if T > 0:
-            # count in as soon as every warp has read the flag (nothing else in flight yet);
-            # release: this program's flag reads are done before its count is seen
-            tl.debug_barrier()
-            if follower:
-                tl.atomic_add(p_flag + _F_DONE, 1, sem="release")
+    if DO_RECORD and LATE:
+        # count in before any other load is issued: the release then waits for the flag
+        # reads only, and the count's answer is looked at after the verify loop
+        tl.debug_barrier()
+        done = tl.atomic_add(p_flag + _F_DONE, 1, sem="release", mask=T > 0)
 
-    p_A_log = A_log + i_hv
-    p_dt_bias = dt_bias + i_hv
-    if HOIST:
-        c_negA = -tl.exp(tl.load(p_A_log).to(tl.float32))
-        c_dtb = tl.load(p_dt_bias).to(tl.float32)
+    c_negA = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    c_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
     b_h = tl.zeros([BV, BK], dtype=tl.float32)
     b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
@@ -151,17 +167,19 @@ def onepage_gdn_step_kernel(
     p_rv = p_rec + H * K + i_hv * V + o_v
     p_ra = p_rec + H * K + HV * V + i_hv
     p_rb = p_ra + HV
-    # this step's record rows go to the other slot (PROTO 1: written by the verify loop)
+    # this step's record rows go to the other slot
     p_w = record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
     w_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-    if PREFETCH:
-        # first replay row and first candidate row in flight before anything waits; row t + 1
-        # is loaded while row t computes (same values, same arithmetic). Vector masks are built
-        # full-width: the interpreter rejects vector & scalar masks.
+    if PREFETCH > 0:
+        # first replay row in flight before anything waits; row t + 1 is loaded while row t
+        # computes (same values, same arithmetic). Vector masks are built full-width: the
+        # interpreter rejects vector & scalar masks.
         r_k = tl.load(p_rk, mask=mask_k & (o_k * 0 < n_replay), other=0)
         r_v = tl.load(p_rv, mask=mask_v & (o_v * 0 < n_replay), other=0)
         r_a = tl.load(p_ra, mask=n_replay > 0, other=0)
         r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
+    if PREFETCH == 1:
+        # PREFETCH 1: the first candidate row too (it stays in registers through the replay)
         if HAS_ROW_MAP:
             n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
         else:
@@ -172,9 +190,8 @@ def onepage_gdn_step_kernel(
         n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
         n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
 
-    # PROTO 0 (the kernel before issue 16, kept for measurements): record this step's rows in
-    # the other slot as tiles, then count in; the page's last program flips the flag
-    if DO_RECORD and PROTO == 0:
+    if DO_RECORD and not REC_IN_VERIFY:
+        # this step's rows into the other slot, as tiles off the token chain
         if T > 0:
             o_s = tl.arange(0, SP)
             mask_s = o_s < n_rows
@@ -198,6 +215,8 @@ def onepage_gdn_step_kernel(
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
                     tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
+    if DO_RECORD and not LATE:
+        if T > 0:
             # every warp has used the flag (record addresses) before the count goes up
             tl.debug_barrier()
             done = tl.atomic_add(p_flag + _F_DONE, 1)
@@ -206,17 +225,67 @@ def onepage_gdn_step_kernel(
                 tl.store(p_flag + _F_SLOT, new_slot)
                 tl.store(p_flag + _F_DONE, 0)
 
+    if PIPE:
+        # PIPE: each row's q / k normalization and gates are computed one row ahead, so they
+        # overlap the previous row's state update instead of preceding it (same values, same
+        # arithmetic: only the schedule changes). Raw rows are loaded two ahead.
+        if DO_VERIFY:
+            v_q = _l2norm(n_q.to(tl.float32), USE_QK_L2NORM_IN_KERNEL) * scale
+            v_k = _l2norm(n_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
+            v_v = n_v.to(tl.float32)
+            v_eg, v_beta = _gates(n_a, n_b, c_dtb, c_negA, beta, threshold)
+            v_row = n_row
+            if HAS_ROW_MAP:
+                n_row = tl.load(row_map + bos + 1, mask=T > 1, other=0).to(tl.int64)
+            else:
+                n_row = bos + 1
+            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T - 1),
+                          other=0)
+            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T - 1),
+                          other=0)
+            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T - 1),
+                          other=0)
+            n_a = tl.load(a + n_row * HV + i_hv, mask=T > 1, other=0)
+            n_b = tl.load(b + n_row * HV + i_hv, mask=T > 1, other=0)
+        if DO_REPLAY:
+            p_k = _l2norm(r_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
+            p_v = r_v.to(tl.float32)
+            p_eg, p_beta = _gates(r_a, r_b, c_dtb, c_negA, beta, threshold)
+            r_k = tl.load(p_rk + W, mask=mask_k & (o_k * 0 + 1 < n_replay), other=0)
+            r_v = tl.load(p_rv + W, mask=mask_v & (o_v * 0 + 1 < n_replay), other=0)
+            r_a = tl.load(p_ra + W, mask=1 < n_replay, other=0)
+            r_b = tl.load(p_rb + W, mask=1 < n_replay, other=0)
+            for i_t in range(0, n_replay):
+                b_k = p_k
+                b_v = p_v
+                b_eg = p_eg
+                b_beta = p_beta
+                p_k = _l2norm(r_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
+                p_v = r_v.to(tl.float32)
+                p_eg, p_beta = _gates(r_a, r_b, c_dtb, c_negA, beta, threshold)
+                more = i_t + 2 < n_replay
+                r_k = tl.load(p_rk + 2 * W, mask=mask_k & (o_k * 0 + i_t + 2 < n_replay),
+                              other=0)
+                r_v = tl.load(p_rv + 2 * W, mask=mask_v & (o_v * 0 + i_t + 2 < n_replay),
+                              other=0)
+                r_a = tl.load(p_ra + 2 * W, mask=more, other=0)
+                r_b = tl.load(p_rb + 2 * W, mask=more, other=0)
+                b_h *= b_eg
+                b_v -= tl.sum(b_h * b_k[None, :], 1)
+                b_v *= b_beta
+                b_h += b_v[:, None] * b_k[None, :]
+                p_rk += W
+                p_rv += W
+                p_ra += W
+                p_rb += W
     # 1. replay: the stock per-token state update, without q and the output
-    if DO_REPLAY:
+    if DO_REPLAY and not PIPE:
         for i_t in range(0, n_replay):
-            if PREFETCH:
+            if PREFETCH > 0:
                 b_k = r_k.to(tl.float32)
                 b_v = r_v.to(tl.float32)
                 b_b = r_b.to(tl.float32)
-                if HOIST:
-                    x = r_a.to(tl.float32) + c_dtb
-                else:
-                    x = r_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                x = r_a.to(tl.float32) + c_dtb
                 more = i_t + 1 < n_replay
                 r_k = tl.load(p_rk + W, mask=mask_k & (o_k * 0 + i_t + 1 < n_replay), other=0)
                 r_v = tl.load(p_rv + W, mask=mask_v & (o_v * 0 + i_t + 1 < n_replay), other=0)
@@ -226,17 +295,11 @@ def onepage_gdn_step_kernel(
                 b_k = tl.load(p_rk, mask=mask_k, other=0).to(tl.float32)
                 b_v = tl.load(p_rv, mask=mask_v, other=0).to(tl.float32)
                 b_b = tl.load(p_rb).to(tl.float32)
-                if HOIST:
-                    x = tl.load(p_ra).to(tl.float32) + c_dtb
-                else:
-                    x = tl.load(p_ra).to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+                x = tl.load(p_ra).to(tl.float32) + c_dtb
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
-            if HOIST:
-                b_g = c_negA * softplus_x
-            else:
-                b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+            b_g = c_negA * softplus_x
 
             b_beta = tl.sigmoid(b_b.to(tl.float32))
 
@@ -251,19 +314,61 @@ def onepage_gdn_step_kernel(
             p_rv += W
             p_ra += W
             p_rb += W
+    if PREFETCH == 2:
+        # PREFETCH 2: the first candidate row is loaded after the replay, beside its store
+        if HAS_ROW_MAP:
+            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
+        else:
+            n_row = bos
+        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
+        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+    if DO_REPLAY:
         if n_replay > 0:
             tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
         # continue from the stored (rounded) checkpoint, as stock re-reads a stored slot
         b_h = b_h.to(p_h.dtype.element_ty).to(tl.float32)
 
-    if DO_RECORD and PROTO == 1:
-        # the leader reads the done count here and looks at it only after the verify loop
-        early = tl.load(p_flag + _F_DONE, mask=leader & (T > 0), other=0, volatile=True)
-
-    # 2. verify: the stock per-token body, outputs only (PROTO 1: and the record rows)
-    if DO_VERIFY:
+    if DO_VERIFY and PIPE:
         for i_t in range(0, T):
-            if PREFETCH:
+            row = v_row
+            b_q = v_q
+            b_k = v_k
+            b_v = v_v
+            b_eg = v_eg
+            b_beta = v_beta
+            v_q = _l2norm(n_q.to(tl.float32), USE_QK_L2NORM_IN_KERNEL) * scale
+            v_k = _l2norm(n_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
+            v_v = n_v.to(tl.float32)
+            v_eg, v_beta = _gates(n_a, n_b, c_dtb, c_negA, beta, threshold)
+            v_row = n_row
+            more = i_t + 2 < T
+            if HAS_ROW_MAP:
+                n_row = tl.load(row_map + bos + i_t + 2, mask=more, other=0).to(tl.int64)
+            else:
+                n_row = bos + i_t + 2
+            n_q = tl.load(q + (n_row * H + i_h) * K + o_k,
+                          mask=mask_k & (o_k * 0 + i_t + 2 < T), other=0)
+            n_k = tl.load(k + (n_row * H + i_h) * K + o_k,
+                          mask=mask_k & (o_k * 0 + i_t + 2 < T), other=0)
+            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v,
+                          mask=mask_v & (o_v * 0 + i_t + 2 < T), other=0)
+            n_a = tl.load(a + n_row * HV + i_hv, mask=more, other=0)
+            n_b = tl.load(b + n_row * HV + i_hv, mask=more, other=0)
+            p_o = o + (row * HV + i_hv) * V + o_v
+            b_h *= b_eg
+            b_v -= tl.sum(b_h * b_k[None, :], 1)
+            b_v *= b_beta
+            b_h += b_v[:, None] * b_k[None, :]
+            b_o = tl.sum(b_h * b_q[None, :], 1)
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+    # 2. verify: the stock per-token body, outputs only
+    if DO_VERIFY and not PIPE:
+        for i_t in range(0, T):
+            if PREFETCH > 0:
                 row = n_row
                 c_q = n_q
                 c_k = n_k
@@ -293,7 +398,7 @@ def onepage_gdn_step_kernel(
                 c_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
                 c_b = tl.load(b + row * HV + i_hv)
                 c_a = tl.load(a + row * HV + i_hv)
-            if DO_RECORD and PROTO == 1:
+            if DO_RECORD and REC_IN_VERIFY:
                 # this candidate's row, as loaded, into the other slot (rows past S dropped)
                 p_wt = p_w + i_t * W
                 tl.store(p_wt + H * K + i_hv * V + o_v, c_v.to(record.dtype.element_ty),
@@ -310,18 +415,12 @@ def onepage_gdn_step_kernel(
             b_k = c_k.to(tl.float32)
             b_v = c_v.to(tl.float32)
             b_b = c_b.to(tl.float32)
-            if HOIST:
-                x = c_a.to(tl.float32) + c_dtb
-            else:
-                x = c_a.to(tl.float32) + tl.load(p_dt_bias).to(tl.float32)
+            x = c_a.to(tl.float32) + c_dtb
             p_o = o + (row * HV + i_hv) * V + o_v
             softplus_x = tl.where(
                 beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
             )
-            if HOIST:
-                b_g = c_negA * softplus_x
-            else:
-                b_g = -tl.exp(tl.load(p_A_log).to(tl.float32)) * softplus_x
+            b_g = c_negA * softplus_x
 
             b_beta = tl.sigmoid(b_b.to(tl.float32))
 
@@ -336,23 +435,13 @@ def onepage_gdn_step_kernel(
             b_o = tl.sum(b_h * b_q[None, :], 1)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
-    # the flag: set the live count and flip the slot once every program has read it
-    if DO_RECORD and PROTO == 1:
-        if T > 0:
-            if leader:
-                # each thread waits until it has seen every other program count in (usually
-                # already in the value read before the verify loop); no barrier inside, so
-                # threads may leave the loop at different times
-                seen = early
-                spins = 0
-                # bounded: a page listed twice (a caller bug) must not hang the GPU
-                while (seen < NV * HV - 1) & (spins < _SPIN_LIMIT):
-                    seen = tl.load(p_flag + _F_DONE, volatile=True)
-                    spins += 1
-                tl.debug_barrier()  # all threads saw the full count before the reset
-                tl.store(p_flag + _F_DONE, 0)
-                tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
-                tl.store(p_flag + _F_SLOT, new_slot)
+    if DO_RECORD and LATE:
+        if (T > 0) & (done == NV * HV - 1):
+            # the page's last to count in: every other program has read the flag. The
+            # acquire (on the reset) orders the flip after their counts
+            tl.atomic_xchg(p_flag + _F_DONE, 0, sem="acquire")
+            tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
+            tl.store(p_flag + _F_SLOT, new_slot)
 
 
 def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
@@ -376,41 +465,65 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
     return int(record.shape[2])
 
 
-def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
-                       state_indices, num_accepted, cu_seqlens, row_map=None,
-                       use_qk_l2norm_in_kernel=True, stages=("replay", "verify", "record"),
-                       prefetch=True, out=None, proto=0, hoist=True) -> torch.Tensor:
-    """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
-    and rows of null pages are zero). `stages`, `proto` (1: the leader-waits protocol) and
-    `hoist` (False: per-token A_log / dt_bias loads) are for measurements only."""
-    T_all, H, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
-    N = state_indices.numel()
-    S = _check_layout(ssm_state, record, flag, H, HV, K, V)
+def kernel_config(*, H, HV, K, V, S, state_page_stride, use_qk_l2norm_in_kernel=True,
+                  has_row_map=False, stages=("replay", "verify", "record"), prefetch=True,
+                  late=False, rec_in_verify=False, pipe=False, maxnreg=None, waves_per_eu=None,
+                  hip=False):
+    """The kernel's constexprs and compile options for one launch shape and variant: one place
+    for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). `stages`,
+    `prefetch` (0, 1, 2), `late`, `rec_in_verify`, `pipe`, `maxnreg` (CUDA) and `waves_per_eu`
+    (ROCm) select measured variants; the defaults are the shipped kernel."""
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
     if BK != K:
         raise ValueError(f"head_k_dim {K} must be a power of two (the stock kernel's BK = K)")
+    unknown = set(stages) - {"replay", "verify", "record"}
+    if unknown:
+        raise ValueError(f"stages must be among replay, verify, record; got {sorted(unknown)}")
+    if "record" in stages and "verify" not in stages and rec_in_verify:
+        raise ValueError("the record rows are written by the verify loop: keep 'verify'")
+    if int(prefetch) not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
+    if pipe and (int(prefetch) != 1 or rec_in_verify):
+        raise ValueError("pipe needs prefetch=1 and the record written as tiles")
+    constexprs = dict(
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S, SP=triton.next_power_of_2(S),
+        stride_state_page=state_page_stride, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+        HAS_ROW_MAP=has_row_map, DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
+        DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
+        REC_IN_VERIFY=bool(rec_in_verify), PIPE=bool(pipe))
+    options = dict(num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES)
+    # register caps change how values are kept, not the arithmetic: ptxas's on CUDA, the AMDGPU
+    # backend's occupancy target on ROCm; each is ignored on the other vendor
+    if maxnreg and not hip:
+        options["maxnreg"] = int(maxnreg)
+    if waves_per_eu and hip:
+        options["waves_per_eu"] = int(waves_per_eu)
+    return constexprs, options
+
+
+def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
+                       state_indices, num_accepted, cu_seqlens, row_map=None,
+                       use_qk_l2norm_in_kernel=True, out=None, **variant) -> torch.Tensor:
+    """Launch the fused kernel; returns outputs [T, HV, V] in v's dtype (rows outside a row map
+    and rows of null pages are zero). `variant` (see `kernel_config`) is for measurements."""
+    T_all, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    N = state_indices.numel()
+    S = _check_layout(ssm_state, record, flag, H, HV, K, V)
+    constexprs, options = kernel_config(
+        H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=row_map is not None,
+        hip=torch.version.hip is not None, **variant)
     if out is None:
         alloc = torch.zeros if row_map is not None else torch.empty
         out = alloc((T_all, HV, V), dtype=v.dtype, device=v.device)
     if N == 0:
         return out
-    if "record" in stages and "verify" not in stages and proto != 0:
-        raise ValueError("the record rows are written by the verify loop: keep 'verify'")
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (triton.cdiv(V, constexprs["BV"]), N * HV)
     onepage_gdn_step_kernel[grid](
         A_log, a.contiguous(), b.contiguous(), dt_bias, 1.0, 20.0,
         q.contiguous(), k.contiguous(), v.contiguous(), out, ssm_state, record, flag,
         cu_seqlens, state_indices, num_accepted, row_map if row_map is not None else cu_seqlens,
-        K ** -0.5, N, record.stride(0), flag.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S, SP=triton.next_power_of_2(S),
-        stride_state_page=ssm_state.stride(0),
-        USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-        HAS_ROW_MAP=row_map is not None,
-        DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
-        DO_RECORD="record" in stages, PREFETCH=bool(prefetch), PROTO=int(proto),
-        HOIST=bool(hoist),
-        num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES,
-    )
+        K ** -0.5, N, record.stride(0), flag.stride(0), **constexprs, **options)
     return out

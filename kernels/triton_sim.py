@@ -23,9 +23,9 @@ def composed_backend(A_log: torch.Tensor, dt_bias: torch.Tensor) -> StockTritonC
 class FusedStepChecked:
     """An `onepage_step` for run_simulation: fused kernel, cross-checked against composed."""
 
-    def __init__(self, prefetch: bool = True) -> None:
+    def __init__(self, **variant) -> None:
         self.steps = 0
-        self.prefetch = prefetch
+        self.variant = variant  # kernel_config's measured variants; none: the shipped kernel
 
     def __call__(self, backend: StockTritonComposed, heads: GdnHeads, state_pool, record_pool,
                  flag_pool, pages, num_accepted, x: GdnInputs, cu_seqlens, row_map=None):
@@ -36,7 +36,7 @@ class FusedStepChecked:
             q=x.q, k=x.k, v=x.v, a=x.a, b=x.b, A_log=backend.A_log, dt_bias=backend.dt_bias,
             ssm_state=state_pool, record=record_pool, flag=flag_pool, state_indices=pages,
             num_accepted=num_accepted, cu_seqlens=cu_seqlens, row_map=row_map,
-            prefetch=self.prefetch)
+            **self.variant)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         live_rows = torch.repeat_interleave(pages.long() != NULL_PAGE, lens)
         rows = row_map.long()[live_rows] if row_map is not None else live_rows.nonzero().flatten()

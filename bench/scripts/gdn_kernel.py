@@ -52,6 +52,29 @@ SHAPES = {
     "flash-next-tp4": GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fused-kernel variants (keyword arguments of onepage_fused_step) that --variants can time
+VARIANTS = {
+    "no_record": dict(stages=("replay", "verify")),
+    "verify_only": dict(stages=("verify",)),
+    "replay_only": dict(stages=("replay",)),
+    "no_prefetch": dict(prefetch=0),
+    # register caps: maxnreg applies on CUDA, waves_per_eu on ROCm (the other is ignored)
+    "fused_r80": dict(maxnreg=80),
+    "fused_w16": dict(waves_per_eu=16),
+    "p0_late_w16": dict(prefetch=0, late=True, waves_per_eu=16),
+    "late": dict(late=True),
+    "late_r80": dict(late=True, maxnreg=80),
+    "late_riv": dict(late=True, rec_in_verify=True),
+    "p0_late": dict(prefetch=0, late=True),
+    "p0_late_r80": dict(prefetch=0, late=True, maxnreg=80),
+    "p0_late_r72": dict(prefetch=0, late=True, maxnreg=72),
+    "p2_late_riv": dict(prefetch=2, late=True, rec_in_verify=True),
+    "p2_late_riv_r80": dict(prefetch=2, late=True, rec_in_verify=True, maxnreg=80),
+    "pipe": dict(pipe=True),
+    "pipe_late": dict(late=True, pipe=True),
+    "pipe_late_r96": dict(late=True, pipe=True, maxnreg=96),
+    "pipe_late_r80": dict(late=True, pipe=True, maxnreg=80),
+}
 
 
 def copy_bandwidth_bytes_per_s(dev: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -170,11 +193,11 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
 
     fused_pools = onepage_pools()
 
-    def run_fused(stages=("replay", "verify", "record"), prefetch=True, **variant):
+    def run_fused(**variant):
         pool, record, flag = fused_pools
         onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool, record=record,
                            flag=flag, state_indices=pages, num_accepted=acc, cu_seqlens=cu,
-                           stages=stages, prefetch=prefetch, **variant)
+                           **variant)
 
     # composed kernels only: the two stock launches one-page makes (indices prebuilt)
     comp_pool = onepage_pools()[0]
@@ -196,21 +219,28 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
 
     res = {"num_seqs": n, "state_dtype": str(state_dtype).replace("torch.", ""),
            "num_spec": num_spec, "accepted": accepted}
-    fns = {
-        "stock": run_stock,
-        "fused": run_fused,
-        # the kernel as it was before issue 16 part 5 (per-token A_log / dt_bias loads)
-        "fused_before": lambda: run_fused(proto=0, hoist=False),
-        # the leader-waits record protocol (measurements only: it assumes in-order dispatch)
-        "fused_proto1": lambda: run_fused(proto=1),
-        "fused_no_hoist": lambda: run_fused(hoist=False),
-        "fused_no_prefetch": lambda: run_fused(prefetch=False),
-        "fused_no_record": lambda: run_fused(("replay", "verify")),
-        "fused_verify_only": lambda: run_fused(("verify",)),
-        "fused_replay_only": lambda: run_fused(("replay",)),
-    }
-    if variants:
-        fns = {k_: f for k_, f in fns.items() if k_ in variants or k_ in ("stock", "fused")}
+    fns = {"stock": run_stock, "fused": run_fused}
+    for name in variants:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+        fns[name] = (lambda kw=VARIANTS[name]: run_fused(**kw))
+    # each variant that records must leave exactly the shipped kernel's bits (one step on
+    # fresh pools); stage-dropping variants are timing probes only
+    bits = {}
+    ref = None
+    base = onepage_pools()
+    for name in ["fused"] + [v_ for v_ in variants if "stages" not in VARIANTS[v_]]:
+        pool, record, flag = (x_.clone() for x_ in base)
+        out = onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool,
+                                 record=record, flag=flag, state_indices=pages,
+                                 num_accepted=acc, cu_seqlens=cu,
+                                 **VARIANTS.get(name, {}))
+        got = (out, pool, record, flag)
+        if ref is None:
+            ref = got
+        else:
+            bits[name] = all(torch.equal(x_, y_) for x_, y_ in zip(got, ref))
+    res["bit_identical_to_fused"] = bits
     if composed:
         fns["composed_kernels"] = run_composed_kernels
     # repeats interleave the variants (side by side); each sample is a median over graph
@@ -257,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-composed", action="store_true", help="skip the composed kernels")
     ap.add_argument("--repeats", type=int, default=5, help="side-by-side repeats (median)")
     ap.add_argument("--variants", default="", help="fused variants to time besides 'fused' "
-                    "(comma list; default all)")
+                    f"(comma list of {', '.join(VARIANTS)})")
     ap.add_argument("--out", default="bench/results/gdn_kernel.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -298,8 +328,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    cols = [c for c in ["stock", "fused", "fused_before", "fused_proto1", "fused_no_hoist", "fused_no_prefetch", "composed_kernels",
-                        "fused_no_record", "fused_verify_only", "fused_replay_only",
+    cols = [c for c in ["stock", "fused", *VARIANTS, "composed_kernels",
                         "stock_eager_host", "fused_eager_host", "composed_step_eager"]
             if any(c in r["time_us"] for r in results)]
     print(f"{doc['device']}  copy bandwidth {copy_bw / 1e12:.2f} TB/s  k={args.num_spec} "

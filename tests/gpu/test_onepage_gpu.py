@@ -24,10 +24,10 @@ SHAPES = {"27b-tp2": QWEN35_27B_TP2, "flash-next-tp4": FLASH_NEXT_TP4}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _sim(heads, prefetch=True, **kw):
+def _sim(heads, prefetch=True, variant=None, **kw):
     from r9k.kernels.triton_sim import FusedStepChecked, composed_backend
 
-    chk = FusedStepChecked(prefetch=prefetch)
+    chk = FusedStepChecked(prefetch=int(prefetch), **(variant or {}))
     cfg = SimConfig(heads, device="cuda", **kw)
     st = run_simulation(cfg, composed_backend, onepage_step=chk)
     assert chk.steps == cfg.steps * cfg.layers
@@ -56,6 +56,29 @@ def test_fused_composed_stock_bit_identical(shape, state, num_spec, num_seqs):
 def test_no_prefetch_variant_bit_identical(shape, state, num_seqs):
     _sim(SHAPES[shape], prefetch=False, num_seqs=num_seqs, num_spec=7, steps=5,
          state_dtype=DTYPES[state], seed=num_seqs + 1)
+
+
+# the kernel variants measured for issue 16 (bench/scripts/gdn_kernel.py VARIANTS): any of them
+# may become the shipped kernel only with these passing on the GPU
+MEASURED_VARIANTS = {
+    "late": dict(late=True),
+    "p2_late_riv": dict(prefetch=2, late=True, rec_in_verify=True),
+    "pipe_late": dict(late=True, pipe=True),
+    "pipe_late_r80": dict(late=True, pipe=True, maxnreg=80),
+    "p0_late_r80": dict(prefetch=0, late=True, maxnreg=80),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("state", list(DTYPES))
+@pytest.mark.parametrize("variant", list(MEASURED_VARIANTS))
+@pytest.mark.parametrize("num_seqs", [1, 16, 256])
+def test_measured_variants_bit_identical(shape, state, variant, num_seqs):
+    kw = dict(MEASURED_VARIANTS[variant])
+    st = _sim(SHAPES[shape], prefetch=kw.pop("prefetch", 1), variant=kw, num_seqs=num_seqs,
+              num_spec=3, steps=5, state_dtype=DTYPES[state], seed=num_seqs + 3)
+    if num_seqs >= 16:
+        assert_replay_coverage(st, num_candidates=4)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -25,8 +25,8 @@ def _compile(fn, signature, constexprs, target=R9700):
     return triton.compile(src, target=target, options=options.__dict__)
 
 
-def _fused_args(state_ty, prefetch=False):
-    from r9k.kernels.triton_fused import onepage_gdn_step_kernel as kern
+def _fused_args(state_ty, prefetch=False, **variant):
+    from r9k.kernels.triton_fused import kernel_config, onepage_gdn_step_kernel as kern
 
     ptr = {"A_log": "*fp32", "a": "*bf16", "b": "*bf16", "dt_bias": "*bf16", "q": "*bf16",
            "k": "*bf16", "v": "*bf16", "o": "*bf16", "h": f"*{state_ty}", "record": "*bf16",
@@ -34,9 +34,9 @@ def _fused_args(state_ty, prefetch=False):
            "num_accepted": "*i32", "row_map": "*i32"}
     scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",
             "stride_record_page": "i64", "stride_flag_page": "i32"}
-    const = {"H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": BV, "S": S, "SP": S,
-             "stride_state_page": HV * V * K, "USE_QK_L2NORM_IN_KERNEL": True,
-             "HAS_ROW_MAP": False, "DO_REPLAY": True, "DO_VERIFY": True, "DO_RECORD": True, "PREFETCH": prefetch}
+    const, _ = kernel_config(H=H, HV=HV, K=K, V=V, S=S, state_page_stride=HV * V * K,
+                             prefetch=prefetch, hip=True, **variant)
+    assert const["BV"] == BV
     sig = {n: ptr.get(n) or scal.get(n) or "constexpr" for n in kern.arg_names}
     return kern, sig, const
 
@@ -59,10 +59,14 @@ def _stock_args(state_ty):
     return kern, sig, const
 
 
-@pytest.mark.parametrize("state_ty,prefetch",
-                         [("fp32", False), ("bf16", False), ("fp32", True)])
-def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, prefetch):
-    fused = _compile(*_fused_args(state_ty, prefetch))
+@pytest.mark.parametrize("state_ty,variant",
+                         [("fp32", dict(prefetch=0)), ("bf16", dict(prefetch=0)),
+                          ("fp32", dict(prefetch=1)),
+                          # measured variants (issue 16): they must build for the R9700 too
+                          ("bf16", dict(prefetch=1, late=True, pipe=True)),
+                          ("bf16", dict(prefetch=2, late=True, rec_in_verify=True))])
+def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, variant):
+    fused = _compile(*_fused_args(state_ty, **variant))
     stock = _compile(*_stock_args(state_ty))
     for ck in (fused, stock):
         assert ck.metadata.target.arch == "gfx1201" and ck.metadata.warp_size == 32
@@ -71,3 +75,49 @@ def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, prefetch):
     assert fused.metadata.enable_fp_fusion == stock.metadata.enable_fp_fusion
     assert fused.metadata.num_stages == stock.metadata.num_stages
     assert fused.metadata.shared <= 64 * 1024  # fits RDNA4's LDS
+
+
+# Flash-Next at TP2 per rank, k = 3 (issue 16): where the kernel's occupancy was measured
+_FLASH_NEXT_TP2 = dict(num_k_heads=8, num_v_heads=16, head_k_dim=128, head_v_dim=128)
+
+
+def test_programs_per_sm_follows_the_register_file():
+    from r9k.bench.kernel_static import programs_per_sm
+
+    # 65,536 registers per SM in 256-register warp steps, 4 warps per program
+    assert [programs_per_sm(r) for r in (64, 72, 80, 96, 113, 128, 255)] == [8, 7, 6, 5, 4, 4, 2]
+
+
+@pytest.mark.parametrize("state_ty", ["bf16", "fp32"])
+def test_waves_per_eu_cap_reaches_stock_occupancy_on_gfx1201(state_ty):
+    """On the R9700 the shipped fused kernel holds fewer waves per SIMD than stock (more live
+    registers); the capped variant measured for issue 16 holds as many, without spilling."""
+    from r9k.bench.kernel_static import fused_compiled, hip_facts, stock_compiled
+    from r9k.kernels.onepage import GdnHeads
+
+    heads = GdnHeads(**_FLASH_NEXT_TP2)
+    stock = hip_facts(stock_compiled(heads, state_ty, 4, R9700))
+    capped = hip_facts(fused_compiled(heads, state_ty, 4,
+                                      dict(prefetch=0, late=True, waves_per_eu=16), R9700))
+    assert stock["waves_per_simd"] and capped["waves_per_simd"]
+    assert capped["waves_per_simd"] >= stock["waves_per_simd"], (capped, stock)
+    assert capped["vgpr_spills"] == 0, capped
+
+
+def test_maxnreg_cap_keeps_the_arithmetic_on_sm90():
+    """A ptxas register cap changes registers and moves, not arithmetic: the capped kernel's
+    floating-point opcode counts equal the uncapped one's (evidence for bit-identity; the H200
+    tests are the proof) and it fits the cap."""
+    from triton.backends.compiler import GPUTarget
+
+    from r9k.bench.kernel_static import FP_OPS, cuda_facts, fused_compiled
+    from r9k.kernels.onepage import GdnHeads
+
+    h200 = GPUTarget("cuda", 90, 32)
+    heads = GdnHeads(**_FLASH_NEXT_TP2)
+    free = cuda_facts(fused_compiled(heads, "bf16", 4, dict(prefetch=0, late=True), h200))
+    capped = cuda_facts(fused_compiled(heads, "bf16", 4, dict(prefetch=0, late=True, maxnreg=80),
+                                       h200))
+    assert capped["regs"] <= 80 < free["regs"], (capped["regs"], free["regs"])
+    assert capped["programs_per_sm"] > free["programs_per_sm"]
+    assert {k: capped["sass_ops"][k] for k in FP_OPS} == {k: free["sass_ops"][k] for k in FP_OPS}

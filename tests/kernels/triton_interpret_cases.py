@@ -27,19 +27,23 @@ CASES = [
          null_pages=1, layers=2, seed=4),
     dict(num_seqs=2, num_spec=3, steps=3, lockstep_copies=True, seed=5),
 ]
-# the fused kernel without prefetching (a measured variant, kept bit-identical too)
-NO_PREFETCH_CASES = [dict(num_seqs=3, num_spec=7, steps=4, state_dtype=torch.bfloat16,
-                       row_map=True, null_pages=1, seed=6)]
+# the fused kernel's measured variants (issue 16: prefetch modes, the late count-in, record rows
+# from the verify loop, normalization a row ahead) on one case: kept bit-identical too
+VARIANT_CASE = dict(num_seqs=3, num_spec=7, steps=4, state_dtype=torch.bfloat16, row_map=True,
+                    null_pages=1, seed=6)
+VARIANTS = [dict(prefetch=0), dict(prefetch=1, late=True),
+            dict(prefetch=2, late=True, rec_in_verify=True),
+            dict(prefetch=1, late=True, pipe=True)]
 
 
 def sim_cases() -> int:
-    cases = [(c, True) for c in CASES] + [(c, False) for c in NO_PREFETCH_CASES]
-    for case, prefetch in cases:
-        chk = FusedStepChecked(prefetch=prefetch)
+    cases = [(c, dict(prefetch=1)) for c in CASES] + [(VARIANT_CASE, v) for v in VARIANTS]
+    for case, variant in cases:
+        chk = FusedStepChecked(**variant)
         st = run_simulation(SimConfig(TINY, **case), composed_backend, onepage_step=chk)
         assert chk.steps == st.steps * case.get("layers", 1)
         assert st.replay_hist[0] > 0 and sum(v for r, v in st.replay_hist.items() if r > 0) > 0
-        print(f"sim {case} prefetch={prefetch}: rows {st.compared_rows} "
+        print(f"sim {case} {variant}: rows {st.compared_rows} "
               f"replay {dict(st.replay_hist)}", flush=True)
     return len(cases)
 
