@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       field_validator, model_validator)
 
 from r9k import capacity
-from r9k.config_errors import validation_message
+from r9k.config_errors import DuplicateKeyError, load_yaml_strict, validation_message
 from r9k.http_client import is_loopback
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
@@ -248,7 +248,9 @@ class FleetConfig(_Strict):
 def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None = None) -> FleetConfig:
     """Schema and self-consistency only (no filesystem or cluster)."""
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml_strict(text)
+    except DuplicateKeyError as exc:
+        raise FleetConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise FleetConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

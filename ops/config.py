@@ -15,7 +15,7 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
-from r9k.config_errors import validation_message
+from r9k.config_errors import DuplicateKeyError, load_yaml_strict, validation_message
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
 
 DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
@@ -133,32 +133,10 @@ def _allowed_fields(loc: tuple) -> list[str]:
     return list((PowerSettings if nested else OpsConfig).model_fields)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise _DuplicateKey(f"duplicate key {key!r} (line {key_node.start_mark.line + 1}); "
-                                "expected each key once")
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-
-
 def parse_config(text: str, source: str = "<config>") -> OpsConfig:
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as exc:
+        data = load_yaml_strict(text)
+    except DuplicateKeyError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None

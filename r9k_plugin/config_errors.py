@@ -1,5 +1,6 @@
 """One wording for configuration errors found by pydantic (ops config, fleet file, replica specs):
-where (the field path), what was wrong, what was given and, where known, what was expected."""
+where (the field path), what was wrong, what was given and, where known, what was expected. And
+one YAML reader for the config files, which refuses a key given twice."""
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -58,3 +59,30 @@ def validation_message(exc: ValidationError, source: str, *, limit: int | None =
         if line not in lines:
             lines.append(line)
     return f"{source}: " + "; ".join(lines[:limit])
+
+
+class DuplicateKeyError(ValueError):
+    """A mapping in a YAML file names one key twice (PyYAML would keep the last silently)."""
+
+
+def load_yaml_strict(text: str):
+    """yaml.safe_load, except that a key given twice in one mapping raises DuplicateKeyError
+    naming the key and its line: in a config file the second value silently winning hides a
+    mistake (two power caps for one card, two passwords for one user)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if key in seen:
+                raise DuplicateKeyError(f"duplicate key {key!r} (line "
+                                        f"{key_node.start_mark.line + 1}); expected each key once")
+            seen.add(key)
+        return loader.construct_mapping(node, deep=True)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass

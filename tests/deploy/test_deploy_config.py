@@ -228,3 +228,14 @@ def test_a_mixed_model_gives_each_replica_its_page_mode(tmp_path):
     with pytest.raises(FleetConfigError, match="lists 1 page modes for 2 replicas"):
         parse_fleet(fleet(["stock"]))
     assert parse_fleet(fleet(None)).model("m").for_replica("m-1").gdn_state == "onepage"
+
+
+def test_a_key_given_twice_is_refused_with_its_line():
+    """PyYAML keeps the last of two equal keys; in a fleet file that hides a mistake (two
+    `tp` for one model), so it is bad input naming the key and its line."""
+    text = ("platform: gpu\nhosts: [{name: a, cards: ['0000:03:00.0', '0000:04:00.0']}]\n"
+            "models:\n  - name: m\n    path: /nonexistent\n    tp: 2\n    tp: 1\n"
+            "    kv_cache_memory_bytes: 1073741824\n")
+    assert refused(text) == "fleet.yaml: duplicate key 'tp' (line 7); expected each key once"
+    # the same file with the key once parses
+    assert parse_fleet(text.replace("    tp: 1\n", "")).models[0].tp == 2

@@ -548,3 +548,15 @@ def test_readme_commands_parse_and_name_the_real_fleet_status_path():
         checked += 1
     assert checked >= 4
     assert "/r9k/fleet/status" not in readme and "0.0.0.0)" not in readme
+
+
+def test_web_config_with_a_user_given_twice_is_refused(tls_files):
+    """A user listed twice under basic_auth_users would keep only the last hash (PyYAML's
+    default): a security setting silently not what the file says, so start-up stops."""
+    from r9k.monitoring.web_config import WebConfigError, load_web_config
+
+    text = tls_files.read_text()
+    user_line = next(line for line in text.splitlines() if line.startswith("  prometheus:"))
+    tls_files.write_text(text + user_line + "\n")
+    with pytest.raises(WebConfigError, match=r"duplicate key 'prometheus' \(line 6\)"):
+        load_web_config(tls_files)
