@@ -55,18 +55,20 @@ def test_process_tree_rss_sums_the_replica_and_its_children_only(tmp_path):
 
 def test_mixed_soak_counts_over_length_as_rejected_by_design(fake, tmp_path):
     out = tmp_path / "soak.json"
-    r = run("--endpoint", fake.url, "--clients", "8", "--duration", "3", "--min-tokens", "8",
+    # 4 s of 8 clients serves a few hundred requests and takes ~40 samples on an idle machine;
+    # the bounds below leave room for a loaded 2-core CI runner
+    r = run("--endpoint", fake.url, "--clients", "8", "--duration", "4", "--min-tokens", "8",
             "--max-tokens", "700", "--max-output-tokens", "8", "--pid", str(os.getpid()),
             "--sample-interval", "0.1", "--tolerance-mib", "256", "--quiet", "--out", str(out))
     assert r.exit_code == 0, r.output
     s = json.loads(out.read_text())
-    assert s["errors"] == 0 and s["served"] > 50 and s["rejected_by_design"] > 0
+    assert s["errors"] == 0 and s["served"] > 40 and s["rejected_by_design"] > 0
     assert s["served"] + s["rejected_by_design"] == s["requests_sent"]
     assert s["latency_s"]["p50"] <= s["latency_s"]["p99"] <= s["latency_s"]["max"]
     assert s["ttft_s"]["n"] == s["served"]
     assert s["prompt_chars_served"]["max"] < 512
     m = s["memory"]
-    assert m["verdict"] == "flat" and m["samples"] >= 20 and "RSS of process" in m["source"]
+    assert m["verdict"] == "flat" and m["samples"] >= 15 and "RSS of process" in m["source"]
     assert "rejected by design" in r.output and "memory flat" in r.output
     assert any(g["process"].startswith(f"{os.getpid()} ") for g in m["growth_by_process"])
 
