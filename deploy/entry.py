@@ -174,12 +174,13 @@ class EntryPoint:
                 self.retries.inc()
             self.routed.labels(route.name).inc()
             route.outstanding += 1
+            started: dict[str, web.StreamResponse] = {}
             try:
-                response = await self._forward(request, route, body)
+                response = await self._forward(request, route, body, started)
                 route.served += 1
                 return response
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                sent = request.get("r9k_response")
+                sent = started.get("response")
                 if sent is not None:  # the client has (part of) an answer: never send another
                     route.served += 1
                     return sent
@@ -192,7 +193,8 @@ class EntryPoint:
             finally:
                 route.outstanding -= 1
 
-    async def _forward(self, request: web.Request, route: Route, body: bytes) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, route: Route, body: bytes,
+                       started: dict) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
@@ -208,7 +210,7 @@ class EntryPoint:
                 out_headers.pop("Content-Length", None)
                 return web.Response(status=upstream.status, body=data, headers=out_headers)
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            request["r9k_response"] = response  # bytes may reach the client from here on
+            started["response"] = response  # bytes may reach the client from here on
             try:
                 await response.prepare(request)
                 await self._relay(upstream, response, route)
