@@ -115,6 +115,7 @@ def onepage_gdn_step_kernel(
     LATE: tl.constexpr = False,
     REC_IN_VERIFY: tl.constexpr = False,
     PIPE: tl.constexpr = False,
+    THREADS: tl.constexpr = 128,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -152,9 +153,14 @@ def onepage_gdn_step_kernel(
     n_rows = tl.minimum(T, S)
     if DO_RECORD and LATE:
         # count in before any other load is issued: the release then waits for the flag
-        # reads only, and the count's answer is looked at after the verify loop
+        # reads only, and the count's answer is looked at after the verify loop. One element
+        # per thread with only thread 0's live, not a scalar: Triton broadcasts a scalar (or
+        # replicated) atomic's answer to every thread through shared memory behind a barrier,
+        # which would stall the program here after all
+        o_t = tl.arange(0, THREADS)
+        one = (o_t == 0) & (o_t * 0 + T > 0)  # full-width: the interpreter wants tensor masks
         tl.debug_barrier()
-        done = tl.atomic_add(p_flag + _F_DONE, 1, sem="release", mask=T > 0)
+        done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one, sem="release")
 
     c_negA = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     c_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
@@ -436,12 +442,12 @@ def onepage_gdn_step_kernel(
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
     if DO_RECORD and LATE:
-        if (T > 0) & (done == NV * HV - 1):
-            # the page's last to count in: every other program has read the flag. The
-            # acquire (on the reset) orders the flip after their counts
-            tl.atomic_xchg(p_flag + _F_DONE, 0, sem="acquire")
-            tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
-            tl.store(p_flag + _F_SLOT, new_slot)
+        # the page's last to count in: every other program has read the flag. The acquire (on
+        # the reset) orders the flip after their counts. Only thread 0 holds the answer
+        last = one & (done == NV * HV - 1)
+        tl.atomic_xchg(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last, sem="acquire")
+        tl.store(p_flag + _F_COUNT + o_t * 0, o_t * 0 + n_rows.to(tl.int32), mask=last)
+        tl.store(p_flag + _F_SLOT + o_t * 0, o_t * 0 + new_slot, mask=last)
 
 
 def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
@@ -491,7 +497,8 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, use_qk_l2norm_in_kernel=
         stride_state_page=state_page_stride, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         HAS_ROW_MAP=has_row_map, DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
         DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
-        REC_IN_VERIFY=bool(rec_in_verify), PIPE=bool(pipe))
+        REC_IN_VERIFY=bool(rec_in_verify), PIPE=bool(pipe),
+        THREADS=STOCK_NUM_WARPS * 32)  # one element per thread on 32-wide warps (CUDA, RDNA)
     options = dict(num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES)
     # register caps change how values are kept, not the arithmetic: ptxas's on CUDA, the AMDGPU
     # backend's occupancy target on ROCm; each is ignored on the other vendor

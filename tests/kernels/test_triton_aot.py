@@ -121,3 +121,28 @@ def test_maxnreg_cap_keeps_the_arithmetic_on_sm90():
     assert capped["regs"] <= 80 < free["regs"], (capped["regs"], free["regs"])
     assert capped["programs_per_sm"] > free["programs_per_sm"]
     assert {k: capped["sass_ops"][k] for k in FP_OPS} == {k: free["sass_ops"][k] for k in FP_OPS}
+
+
+def test_late_count_in_does_not_wait_for_its_answer_on_sm90():
+    """The late count-in exists so that no program stalls on the atomic's round trip. Triton
+    broadcasts a scalar atomic's answer through shared memory behind a barrier (every thread
+    waits for it right there); the late count-in is one element per thread and must not be."""
+    from triton.backends.compiler import GPUTarget
+
+    from r9k.bench.kernel_static import fused_compiled
+    from r9k.kernels.onepage import GdnHeads
+
+    heads = GdnHeads(**_FLASH_NEXT_TP2)
+    ptx = fused_compiled(heads, "bf16", 4, dict(late=True), GPUTarget("cuda", 90, 32)).asm["ptx"]
+    lines = ptx.splitlines()
+    at = [i for i, line in enumerate(lines) if "atom.global.gpu.release.add" in line]
+    assert len(at) == 1, at
+    # from the count-in to the verify loop's first load: no barrier
+    after = lines[at[0] + 1:]
+    nxt = next(i for i, line in enumerate(after) if "ld.global" in line)
+    assert not any("bar.sync" in line for line in after[:nxt]), "\n".join(after[:nxt])
+    # the shipped protocol's count-in does wait (a barrier right after it), which is why
+    shipped = fused_compiled(heads, "bf16", 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    lines = shipped.splitlines()
+    i = next(i for i, line in enumerate(lines) if "atom.global" in line)
+    assert any("bar.sync" in line for line in lines[i + 1:i + 8])
