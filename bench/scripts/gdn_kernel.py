@@ -68,6 +68,8 @@ VARIANTS = {
     "p0_late": dict(prefetch=0, late=True),
     "p0_late_r80": dict(prefetch=0, late=True, maxnreg=80),
     "p0_late_r72": dict(prefetch=0, late=True, maxnreg=72),
+    # 8 programs per SM: TP2 N = 16 (1,024 programs) in one wave on 132 SMs, stock needs two
+    "p0_late_r64": dict(prefetch=0, late=True, maxnreg=64),
     "p2_late_riv": dict(prefetch=2, late=True, rec_in_verify=True),
     "p2_late_riv_r80": dict(prefetch=2, late=True, rec_in_verify=True, maxnreg=80),
     "pipe": dict(pipe=True),
