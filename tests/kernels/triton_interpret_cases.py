@@ -105,7 +105,27 @@ def api_case() -> int:
     return 1
 
 
+def bench_case() -> int:
+    """bench/scripts/gdn_kernel.py's configuration runner (it needs a GPU to time): its variants
+    reach the kernel and each recording variant is checked against the shipped kernel's bits,
+    so a device run is not spent finding a broken benchmark. Timers stubbed: nothing is timed."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "scripts"))
+    import gdn_kernel
+
+    gdn_kernel.time_graph_us = lambda fn, **kw: (fn(), 1.0)[1]
+    gdn_kernel.time_host_us = lambda fn, **kw: (fn(), 1.0)[1]
+    variants = ("no_record", "late", "p2_late_riv", "pipe_late", "p0_late_r64")
+    r = gdn_kernel.bench_config(TINY, 2, torch.bfloat16, 3, 2, "cpu", False, repeats=1,
+                                variants=variants, composed=False)
+    assert r["bit_identical_to_fused"] == {v: True for v in variants if v != "no_record"}, r
+    assert set(variants) | {"stock", "fused"} <= set(r["time_us"]), r["time_us"]
+    print("bench case: gdn_kernel.bench_config, 5 variants, bits equal", flush=True)
+    return 1
+
+
 if __name__ == "__main__":
-    n = (sim_cases() if 'api' not in sys.argv else 0) + api_case()
+    n = (sim_cases() if 'api' not in sys.argv else 0) + api_case() + bench_case()
     print(f"ok {n} cases")
     sys.exit(0)
