@@ -44,7 +44,7 @@ def markdown(doc: dict) -> str:
     if cuda:
         seqs = list(cuda[0]["waves"])
         lines += ["| target | shape | state | kernel | regs | spill B | programs/SM | "
-                  "SASS instr | FFMA/FMUL/FADD/MUFU | waves at N = " + "/".join(seqs) + " |",
+                  "SASS instr | FFMA/FMUL/FADD/MUFU | waves at N = " + "/".join(map(str, seqs)) + " |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in cuda:
             fp = "/".join(str(r["sass_ops"][k]) for k in ("FFMA", "FMUL", "FADD", "MUFU"))
