@@ -64,12 +64,13 @@ def stock_compiled(heads, state: str, S: int, target):
     from triton.runtime.jit import JITFunction
 
     from r9k.kernels._stock_loader import stock_spec_kernel
+    from r9k.kernels.triton_fused import STOCK_BV_MAX
 
     kern = stock_spec_kernel()
     while not isinstance(kern, JITFunction):  # under @triton.heuristics
         kern = kern.fn
     H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
-    constexprs = {"B": 1, "H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": min(V, 32),
+    constexprs = {"B": 1, "H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": min(V, STOCK_BV_MAX),
                   "stride_init_state_token": HV * V * K, "stride_final_state_token": HV * V * K,
                   "stride_indices_seq": S, "stride_indices_tok": 1, "USE_INITIAL_STATE": True,
                   "INPLACE_FINAL_STATE": True, "USE_QK_L2NORM_IN_KERNEL": True,

@@ -33,8 +33,9 @@ from gdn_kernel import SHAPES, VARIANTS  # noqa: E402
 
 from r9k.bench.kernel_static import (  # noqa: E402
     SM90, cuda_facts, fused_compiled, hip_facts, stock_compiled)
+from r9k.kernels.triton_fused import STOCK_BV_MAX  # noqa: E402
 
-DTYPE_NAMES = {"fp32": "fp32", "bf16": "bf16"}
+STATE_DTYPES = ("fp32", "bf16")
 
 def markdown(doc: dict) -> str:
     """The JSON as tables: one for CUDA targets, one for HIP targets."""
@@ -79,10 +80,13 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
 
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        print(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
-        return 2
+    for given, known, what in ((variants, VARIANTS, "variants"),
+                               (args.dtypes.split(","), STATE_DTYPES, "dtypes"),
+                               (args.shapes.split(","), SHAPES, "shapes")):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            print(f"unknown {what} {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
     targets = []
     for spec in args.targets.split(","):
         backend, _, arch = spec.partition(":")
@@ -100,12 +104,11 @@ def main(argv=None) -> int:
         facts = cuda_facts if target.backend == "cuda" else hip_facts
         for shape in args.shapes.split(","):
             heads = SHAPES[shape]
-            nv = math.ceil(heads.head_v_dim / min(heads.head_v_dim, 32))
+            nv = math.ceil(heads.head_v_dim / min(heads.head_v_dim, STOCK_BV_MAX))
             for dname in args.dtypes.split(","):
-                state = DTYPE_NAMES[dname]
-                kernels = {"stock": stock_compiled(heads, state, S, target)}
+                kernels = {"stock": stock_compiled(heads, dname, S, target)}
                 for name in ["fused"] + variants:
-                    kernels[name] = fused_compiled(heads, state, S, VARIANTS.get(name, {}),
+                    kernels[name] = fused_compiled(heads, dname, S, VARIANTS.get(name, {}),
                                                    target)
                 for name, ck in kernels.items():
                     row = {"target": f"{target.backend}:{target.arch}", "shape": shape,

@@ -7,56 +7,14 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+
+from r9k.bench.kernel_static import fused_compiled, stock_compiled  # noqa: E402
+from r9k.kernels.onepage import GdnHeads  # noqa: E402
 
 R9700 = GPUTarget("hip", "gfx1201", 32)
 # 27B at TP2: 8 key heads, 24 value heads, head dims 128; k = 7 -> S = 8
-H, HV, K, V, S = 8, 24, 128, 128, 8
-BV = 32
-
-
-def _compile(fn, signature, constexprs, target=R9700):
-    from triton.compiler import make_backend
-
-    backend = make_backend(target)
-    # the launch options both launchers pass; enable_fp_fusion left to Triton's default for both
-    options = backend.parse_options({"num_warps": 4, "num_stages": 3})
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=target, options=options.__dict__)
-
-
-def _fused_args(state_ty, prefetch=False, **variant):
-    from r9k.kernels.triton_fused import kernel_config, onepage_gdn_step_kernel as kern
-
-    ptr = {"A_log": "*fp32", "a": "*bf16", "b": "*bf16", "dt_bias": "*bf16", "q": "*bf16",
-           "k": "*bf16", "v": "*bf16", "o": "*bf16", "h": f"*{state_ty}", "record": "*bf16",
-           "flag": "*i32", "cu_seqlens": "*i32", "state_indices": "*i32",
-           "num_accepted": "*i32", "row_map": "*i32"}
-    scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",
-            "stride_record_page": "i64", "stride_flag_page": "i32"}
-    const, _ = kernel_config(H=H, HV=HV, K=K, V=V, S=S, state_page_stride=HV * V * K,
-                             prefetch=prefetch, hip=True, **variant)
-    assert const["BV"] == BV
-    sig = {n: ptr.get(n) or scal.get(n) or "constexpr" for n in kern.arg_names}
-    return kern, sig, const
-
-
-def _stock_args(state_ty):
-    from r9k.kernels._stock_loader import stock_spec_kernel
-
-    kern = stock_spec_kernel().fn  # under @triton.heuristics
-    ptr = {"A_log": "*fp32", "a": "*bf16", "b": "*bf16", "dt_bias": "*bf16", "q": "*bf16",
-           "k": "*bf16", "v": "*bf16", "o": "*bf16", "h0": f"*{state_ty}",
-           "ht": f"*{state_ty}", "cu_seqlens": "*i32", "ssm_state_indices": "*i32",
-           "num_accepted_tokens": "*i32"}
-    scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i64", "T": "i64"}
-    const = {"B": 1, "H": H, "HV": HV, "K": K, "V": V, "BK": K, "BV": BV,
-             "stride_init_state_token": HV * V * K, "stride_final_state_token": HV * V * K,
-             "stride_indices_seq": S, "stride_indices_tok": 1, "USE_INITIAL_STATE": True,
-             "INPLACE_FINAL_STATE": True, "USE_QK_L2NORM_IN_KERNEL": True, "IS_VARLEN": True,
-             "IS_CONTINUOUS_BATCHING": True, "IS_SPEC_DECODING": True, "IS_KDA": False}
-    sig = {n: ptr.get(n) or scal.get(n) or "constexpr" for n in kern.arg_names}
-    return kern, sig, const
+QWEN35_27B_TP2 = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)
+S = 8
 
 
 @pytest.mark.parametrize("state_ty,variant",
@@ -66,8 +24,9 @@ def _stock_args(state_ty):
                           ("bf16", dict(prefetch=1, late=True, pipe=True)),
                           ("bf16", dict(prefetch=2, late=True, rec_in_verify=True))])
 def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, variant):
-    fused = _compile(*_fused_args(state_ty, **variant))
-    stock = _compile(*_stock_args(state_ty))
+    # both with the options their launchers pass (enable_fp_fusion left to Triton's default)
+    fused = fused_compiled(QWEN35_27B_TP2, state_ty, S, variant, R9700)
+    stock = stock_compiled(QWEN35_27B_TP2, state_ty, S, R9700)
     for ck in (fused, stock):
         assert ck.metadata.target.arch == "gfx1201" and ck.metadata.warp_size == 32
         assert ck.metadata.num_warps == 4
@@ -92,8 +51,7 @@ def test_programs_per_sm_follows_the_register_file():
 def test_waves_per_eu_cap_reaches_stock_occupancy_on_gfx1201(state_ty):
     """On the R9700 the shipped fused kernel holds fewer waves per SIMD than stock (more live
     registers); the capped variant measured for issue 16 holds as many, without spilling."""
-    from r9k.bench.kernel_static import fused_compiled, hip_facts, stock_compiled
-    from r9k.kernels.onepage import GdnHeads
+    from r9k.bench.kernel_static import hip_facts
 
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     stock = hip_facts(stock_compiled(heads, state_ty, 4, R9700))
@@ -108,10 +66,7 @@ def test_maxnreg_cap_keeps_the_arithmetic_on_sm90():
     """A ptxas register cap changes registers and moves, not arithmetic: the capped kernel's
     floating-point opcode counts equal the uncapped one's (evidence for bit-identity; the H200
     tests are the proof) and it fits the cap."""
-    from triton.backends.compiler import GPUTarget
-
-    from r9k.bench.kernel_static import FP_OPS, cuda_facts, fused_compiled
-    from r9k.kernels.onepage import GdnHeads
+    from r9k.bench.kernel_static import FP_OPS, cuda_facts
 
     h200 = GPUTarget("cuda", 90, 32)
     heads = GdnHeads(**_FLASH_NEXT_TP2)
@@ -127,11 +82,6 @@ def test_late_count_in_does_not_wait_for_its_answer_on_sm90():
     """The late count-in exists so that no program stalls on the atomic's round trip. Triton
     broadcasts a scalar atomic's answer through shared memory behind a barrier (every thread
     waits for it right there); the late count-in is one element per thread and must not be."""
-    from triton.backends.compiler import GPUTarget
-
-    from r9k.bench.kernel_static import fused_compiled
-    from r9k.kernels.onepage import GdnHeads
-
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     ptx = fused_compiled(heads, "bf16", 4, dict(late=True), GPUTarget("cuda", 90, 32)).asm["ptx"]
     lines = ptx.splitlines()
