@@ -37,6 +37,8 @@ def _compile(fn, sig: dict, constexprs: dict, options: dict, target, extra_div=(
 
     for name in constexprs:
         sig[name] = "constexpr"
+    # indices are the kernel's parameter positions, whatever order the dicts were built in
+    sig = {n: sig[n] for n in fn.arg_names if n in sig}
     names = list(sig)
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()},
@@ -49,6 +51,8 @@ def fused_compiled(heads, state: str, S: int, variant: dict, target):
 
     H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
     constexprs, options = kernel_config(H=H, HV=HV, K=K, V=V, S=S,
+                                        state_dtype={"bf16": "bfloat16", "fp32": "float32",
+                                                     "fp16": "float16"}[state],
                                         state_page_stride=HV * V * K,
                                         hip=target.backend == "hip", **variant)
     ptr = {"A_log": "*fp32", "h": f"*{state}", "flag": "*i32", "cu_seqlens": "*i32",

@@ -21,8 +21,12 @@ bit-identical and faster, see bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3
   Still wait-free.
 - `rec_in_verify`: the record rows are stored from the verify loop's loads (no tile loads).
 - `prefetch=2`: the first candidate row is loaded after the replay (fewer live registers).
-- `pipe`: q / k normalization and gates are computed one row ahead, so they overlap the previous
-  row's state update instead of preceding it (same values, same arithmetic).
+- `spec`: the state, both record slots' first rows and the first candidate row are loaded
+  beside the flag read instead of after it (the live slot picks a row), so the replay waits one
+  memory round trip less.
+- `rows_end`: the record tiles are loaded early and stored after the verify loop, so no store
+  stalls the program waiting for its tile (the flag's flip needs no order against them: the
+  next step is another launch).
 - `maxnreg` (CUDA) / `waves_per_eu` (ROCm): a register cap, so an SM or SIMD holds as many
   programs as it holds of stock (bench/results/gdn_kernel_static_flashnext_k3.md); arithmetic
   unchanged.
@@ -53,25 +57,6 @@ STOCK_NUM_STAGES = 3
 _F_COUNT = tl.constexpr(FLAG_COUNT)
 _F_SLOT = tl.constexpr(FLAG_SLOT)
 _F_DONE = tl.constexpr(FLAG_DONE)
-
-
-@triton.jit
-def _gates(c_a, c_b, c_dtb, c_negA, beta, threshold):
-    """exp(g) and beta of one row: the stock kernel's lines, in its order."""
-    x = c_a.to(tl.float32) + c_dtb
-    softplus_x = tl.where(
-        beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
-    )
-    b_g = c_negA * softplus_x
-    b_beta = tl.sigmoid(c_b.to(tl.float32))
-    return tl.exp(b_g), b_beta
-
-
-@triton.jit
-def _l2norm(x, USE_QK_L2NORM_IN_KERNEL: tl.constexpr):
-    if USE_QK_L2NORM_IN_KERNEL:
-        x = x * (tl.rsqrt(tl.sum(x * x) + 1e-6))
-    return x
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -114,8 +99,12 @@ def onepage_gdn_step_kernel(
     PREFETCH: tl.constexpr,
     LATE: tl.constexpr = False,
     REC_IN_VERIFY: tl.constexpr = False,
-    PIPE: tl.constexpr = False,
     THREADS: tl.constexpr = 128,
+    SPEC: tl.constexpr = False,
+    REC_ROWS: tl.constexpr = True,
+    REC_FLAG: tl.constexpr = True,
+    ROWS_END: tl.constexpr = False,
+    DEP: tl.constexpr = False,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -145,28 +134,76 @@ def onepage_gdn_step_kernel(
         return
 
     p_flag = flag + page * stride_flag_page
-    live_count = tl.load(p_flag + _F_COUNT)
-    live_slot = tl.load(p_flag + _F_SLOT) & 1
+    if SPEC:
+        # SPEC: everything whose address does not depend on the flag is issued beside the
+        # flag read (and before the count-in's fence): the state, both record slots' first
+        # rows (the live slot picks one below; the other may be being written this step and
+        # is discarded) and the first candidate row
+        c_negA = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        c_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+        p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+        b_h = tl.zeros([BV, BK], dtype=tl.float32)
+        b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+        p_r0 = record + page * stride_record_page
+        s0_k = tl.load(p_r0 + i_h * K + o_k, mask=mask_k, other=0)
+        s1_k = tl.load(p_r0 + S * W + i_h * K + o_k, mask=mask_k, other=0)
+        s0_v = tl.load(p_r0 + H * K + i_hv * V + o_v, mask=mask_v, other=0)
+        s1_v = tl.load(p_r0 + S * W + H * K + i_hv * V + o_v, mask=mask_v, other=0)
+        s0_a = tl.load(p_r0 + H * K + HV * V + i_hv)
+        s1_a = tl.load(p_r0 + S * W + H * K + HV * V + i_hv)
+        s0_b = tl.load(p_r0 + H * K + HV * V + HV + i_hv)
+        s1_b = tl.load(p_r0 + S * W + H * K + HV * V + HV + i_hv)
+        if PREFETCH == 1:
+            if HAS_ROW_MAP:
+                n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
+            else:
+                n_row = bos
+            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T),
+                          other=0)
+            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T),
+                          other=0)
+            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T),
+                          other=0)
+            n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
+            n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+    # volatile: the compiler may neither cache nor re-read them (DEP's order rests on these
+    # registers being the values read before the count-in)
+    live_count = tl.load(p_flag + _F_COUNT, volatile=DEP)
+    raw_slot = tl.load(p_flag + _F_SLOT, volatile=DEP)
+    live_slot = raw_slot & 1
     n_replay = tl.minimum(tl.load(num_accepted + i_n).to(tl.int32), live_count)
     n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
     new_slot = 1 - live_slot
     n_rows = tl.minimum(T, S)
-    if DO_RECORD and LATE:
+    if DO_RECORD and REC_FLAG and LATE:
         # count in before any other load is issued: the release then waits for the flag
         # reads only, and the count's answer is looked at after the verify loop. One element
         # per thread with only thread 0's live, not a scalar: Triton broadcasts a scalar (or
         # replicated) atomic's answer to every thread through shared memory behind a barrier,
         # which would stall the program here after all
         o_t = tl.arange(0, THREADS)
-        one = (o_t == 0) & (o_t * 0 + T > 0)  # full-width: the interpreter wants tensor masks
-        tl.debug_barrier()
-        done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one, sem="release")
+        if DEP:
+            # DEP: no fence and no barrier. The first lane of every 32 counts in, predicated
+            # on its own flag reads (a test no flag value written here fails), so its atomic
+            # cannot issue before those reads have returned; the page's last lane to count
+            # in flips the flag only after its own atomic returned. The order is carried by
+            # dependencies, not by release / acquire
+            one = (((o_t % 32) == 0) & (o_t * 0 + T > 0)
+                   & (o_t * 0 + live_count != -2147483648) & (o_t * 0 + raw_slot != -2147483648))
+            done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
+                                 sem="relaxed")
+        else:
+            one = (o_t == 0) & (o_t * 0 + T > 0)  # full-width: the interpreter wants tensor masks
+            tl.debug_barrier()
+            done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
+                                 sem="release")
 
-    c_negA = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    c_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
-    p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-    b_h = tl.zeros([BV, BK], dtype=tl.float32)
-    b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+    if not SPEC:
+        c_negA = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        c_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+        p_h = h + page * stride_state_page + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+        b_h = tl.zeros([BV, BK], dtype=tl.float32)
+        b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
 
     p_rec = record + page * stride_record_page + live_slot.to(tl.int64) * (S * W)
     p_rk = p_rec + i_h * K + o_k
@@ -176,7 +213,13 @@ def onepage_gdn_step_kernel(
     # this step's record rows go to the other slot
     p_w = record + page * stride_record_page + new_slot.to(tl.int64) * (S * W)
     w_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-    if PREFETCH > 0:
+    if PREFETCH > 0 and SPEC:
+        # the live slot's first row (unused when nothing is replayed)
+        r_k = tl.where(o_k * 0 + live_slot == 1, s1_k, s0_k)
+        r_v = tl.where(o_v * 0 + live_slot == 1, s1_v, s0_v)
+        r_a = tl.where(live_slot == 1, s1_a, s0_a)
+        r_b = tl.where(live_slot == 1, s1_b, s0_b)
+    if PREFETCH > 0 and not SPEC:
         # first replay row in flight before anything waits; row t + 1 is loaded while row t
         # computes (same values, same arithmetic). Vector masks are built full-width: the
         # interpreter rejects vector & scalar masks.
@@ -184,7 +227,7 @@ def onepage_gdn_step_kernel(
         r_v = tl.load(p_rv, mask=mask_v & (o_v * 0 < n_replay), other=0)
         r_a = tl.load(p_ra, mask=n_replay > 0, other=0)
         r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
-    if PREFETCH == 1:
+    if PREFETCH == 1 and not SPEC:
         # PREFETCH 1: the first candidate row too (it stays in registers through the replay)
         if HAS_ROW_MAP:
             n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
@@ -196,7 +239,24 @@ def onepage_gdn_step_kernel(
         n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
         n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
 
-    if DO_RECORD and not REC_IN_VERIFY:
+    if DO_RECORD and REC_ROWS and ROWS_END:
+        # ROWS_END: the tiles are loaded here and stored after the verify loop, so no store
+        # waits on its load in the program's in-order stream. Branch-free (masks only): the
+        # tiles must live past this point
+        o_s = tl.arange(0, SP)
+        mask_s = o_s < n_rows
+        if HAS_ROW_MAP:
+            rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
+        else:
+            rows = bos + o_s
+        m_sv = mask_s[:, None] & mask_v[None, :]
+        m_sa = mask_s[:, None] & ((o_s * 0 + i_v) == 0)[:, None]
+        m_sk = m_sa & ((o_s * 0 + i_hv % (HV // H)) == 0)[:, None] & mask_k[None, :]
+        t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_sv, other=0)
+        t_a = tl.load(a + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
+        t_b = tl.load(b + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
+        t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_sk, other=0)
+    if DO_RECORD and REC_ROWS and not REC_IN_VERIFY and not ROWS_END:
         # this step's rows into the other slot, as tiles off the token chain
         if T > 0:
             o_s = tl.arange(0, SP)
@@ -221,7 +281,7 @@ def onepage_gdn_step_kernel(
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
                     tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
-    if DO_RECORD and not LATE:
+    if DO_RECORD and REC_FLAG and not LATE:
         if T > 0:
             # every warp has used the flag (record addresses) before the count goes up
             tl.debug_barrier()
@@ -231,61 +291,8 @@ def onepage_gdn_step_kernel(
                 tl.store(p_flag + _F_SLOT, new_slot)
                 tl.store(p_flag + _F_DONE, 0)
 
-    if PIPE:
-        # PIPE: each row's q / k normalization and gates are computed one row ahead, so they
-        # overlap the previous row's state update instead of preceding it (same values, same
-        # arithmetic: only the schedule changes). Raw rows are loaded two ahead.
-        if DO_VERIFY:
-            v_q = _l2norm(n_q.to(tl.float32), USE_QK_L2NORM_IN_KERNEL) * scale
-            v_k = _l2norm(n_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
-            v_v = n_v.to(tl.float32)
-            v_eg, v_beta = _gates(n_a, n_b, c_dtb, c_negA, beta, threshold)
-            v_row = n_row
-            if HAS_ROW_MAP:
-                n_row = tl.load(row_map + bos + 1, mask=T > 1, other=0).to(tl.int64)
-            else:
-                n_row = bos + 1
-            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T - 1),
-                          other=0)
-            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T - 1),
-                          other=0)
-            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T - 1),
-                          other=0)
-            n_a = tl.load(a + n_row * HV + i_hv, mask=T > 1, other=0)
-            n_b = tl.load(b + n_row * HV + i_hv, mask=T > 1, other=0)
-        if DO_REPLAY:
-            p_k = _l2norm(r_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
-            p_v = r_v.to(tl.float32)
-            p_eg, p_beta = _gates(r_a, r_b, c_dtb, c_negA, beta, threshold)
-            r_k = tl.load(p_rk + W, mask=mask_k & (o_k * 0 + 1 < n_replay), other=0)
-            r_v = tl.load(p_rv + W, mask=mask_v & (o_v * 0 + 1 < n_replay), other=0)
-            r_a = tl.load(p_ra + W, mask=1 < n_replay, other=0)
-            r_b = tl.load(p_rb + W, mask=1 < n_replay, other=0)
-            for i_t in range(0, n_replay):
-                b_k = p_k
-                b_v = p_v
-                b_eg = p_eg
-                b_beta = p_beta
-                p_k = _l2norm(r_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
-                p_v = r_v.to(tl.float32)
-                p_eg, p_beta = _gates(r_a, r_b, c_dtb, c_negA, beta, threshold)
-                more = i_t + 2 < n_replay
-                r_k = tl.load(p_rk + 2 * W, mask=mask_k & (o_k * 0 + i_t + 2 < n_replay),
-                              other=0)
-                r_v = tl.load(p_rv + 2 * W, mask=mask_v & (o_v * 0 + i_t + 2 < n_replay),
-                              other=0)
-                r_a = tl.load(p_ra + 2 * W, mask=more, other=0)
-                r_b = tl.load(p_rb + 2 * W, mask=more, other=0)
-                b_h *= b_eg
-                b_v -= tl.sum(b_h * b_k[None, :], 1)
-                b_v *= b_beta
-                b_h += b_v[:, None] * b_k[None, :]
-                p_rk += W
-                p_rv += W
-                p_ra += W
-                p_rb += W
     # 1. replay: the stock per-token state update, without q and the output
-    if DO_REPLAY and not PIPE:
+    if DO_REPLAY:
         for i_t in range(0, n_replay):
             if PREFETCH > 0:
                 b_k = r_k.to(tl.float32)
@@ -337,42 +344,8 @@ def onepage_gdn_step_kernel(
         # continue from the stored (rounded) checkpoint, as stock re-reads a stored slot
         b_h = b_h.to(p_h.dtype.element_ty).to(tl.float32)
 
-    if DO_VERIFY and PIPE:
-        for i_t in range(0, T):
-            row = v_row
-            b_q = v_q
-            b_k = v_k
-            b_v = v_v
-            b_eg = v_eg
-            b_beta = v_beta
-            v_q = _l2norm(n_q.to(tl.float32), USE_QK_L2NORM_IN_KERNEL) * scale
-            v_k = _l2norm(n_k.to(tl.float32), USE_QK_L2NORM_IN_KERNEL)
-            v_v = n_v.to(tl.float32)
-            v_eg, v_beta = _gates(n_a, n_b, c_dtb, c_negA, beta, threshold)
-            v_row = n_row
-            more = i_t + 2 < T
-            if HAS_ROW_MAP:
-                n_row = tl.load(row_map + bos + i_t + 2, mask=more, other=0).to(tl.int64)
-            else:
-                n_row = bos + i_t + 2
-            n_q = tl.load(q + (n_row * H + i_h) * K + o_k,
-                          mask=mask_k & (o_k * 0 + i_t + 2 < T), other=0)
-            n_k = tl.load(k + (n_row * H + i_h) * K + o_k,
-                          mask=mask_k & (o_k * 0 + i_t + 2 < T), other=0)
-            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v,
-                          mask=mask_v & (o_v * 0 + i_t + 2 < T), other=0)
-            n_a = tl.load(a + n_row * HV + i_hv, mask=more, other=0)
-            n_b = tl.load(b + n_row * HV + i_hv, mask=more, other=0)
-            p_o = o + (row * HV + i_hv) * V + o_v
-            b_h *= b_eg
-            b_v -= tl.sum(b_h * b_k[None, :], 1)
-            b_v *= b_beta
-            b_h += b_v[:, None] * b_k[None, :]
-            b_o = tl.sum(b_h * b_q[None, :], 1)
-            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
-
     # 2. verify: the stock per-token body, outputs only
-    if DO_VERIFY and not PIPE:
+    if DO_VERIFY:
         for i_t in range(0, T):
             if PREFETCH > 0:
                 row = n_row
@@ -404,7 +377,7 @@ def onepage_gdn_step_kernel(
                 c_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
                 c_b = tl.load(b + row * HV + i_hv)
                 c_a = tl.load(a + row * HV + i_hv)
-            if DO_RECORD and REC_IN_VERIFY:
+            if DO_RECORD and REC_ROWS and REC_IN_VERIFY:
                 # this candidate's row, as loaded, into the other slot (rows past S dropped)
                 p_wt = p_w + i_t * W
                 tl.store(p_wt + H * K + i_hv * V + o_v, c_v.to(record.dtype.element_ty),
@@ -441,11 +414,24 @@ def onepage_gdn_step_kernel(
             b_o = tl.sum(b_h * b_q[None, :], 1)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
-    if DO_RECORD and LATE:
+    if DO_RECORD and REC_ROWS and ROWS_END:
+        p_w0 = p_w + o_s[:, None] * W
+        tl.store(p_w0 + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
+                 mask=m_sv)
+        p_w1 = p_w0 + H * K + HV * V + i_hv
+        tl.store(p_w1, t_a.to(record.dtype.element_ty), mask=m_sa)
+        tl.store(p_w1 + HV, t_b.to(record.dtype.element_ty), mask=m_sa)
+        tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty), mask=m_sk)
+
+    if DO_RECORD and REC_FLAG and LATE:
         # the page's last to count in: every other program has read the flag. The acquire (on
         # the reset) orders the flip after their counts. Only thread 0 holds the answer
-        last = one & (done == NV * HV - 1)
-        tl.atomic_xchg(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last, sem="acquire")
+        if DEP:
+            last = one & (done == NV * HV * (THREADS // 32) - 1)
+            tl.store(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last)
+        else:
+            last = one & (done == NV * HV - 1)
+            tl.atomic_xchg(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last, sem="acquire")
         tl.store(p_flag + _F_COUNT + o_t * 0, o_t * 0 + n_rows.to(tl.int32), mask=last)
         tl.store(p_flag + _F_SLOT + o_t * 0, o_t * 0 + new_slot, mask=last)
 
@@ -471,14 +457,39 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
     return int(record.shape[2])
 
 
-def kernel_config(*, H, HV, K, V, S, state_page_stride, use_qk_l2norm_in_kernel=True,
-                  has_row_map=False, stages=("replay", "verify", "record"), prefetch=True,
-                  late=False, rec_in_verify=False, pipe=False, maxnreg=None, waves_per_eu=None,
-                  hip=False):
+# The record protocol and load order shipped per state dtype: the fastest bit-identical variant
+# on the H200 for each (bench/results/gdn_kernel_h200_flashnext_final_k3.md). fp32 state keeps
+# the fenced count-in (its state stores dominate and the fenced kernel is 2-4% faster there);
+# bf16 / fp16 state, where the record's protocol was the gap to stock, count in by dependency
+FENCED = dict(late=False, spec=False, dep=False, rows_end=False)
+DEP_ORDERED = dict(late=True, spec=True, dep=True, rows_end=True)
+
+
+def shipped_protocol(state_dtype: str) -> dict:
+    """The protocol knobs `kernel_config` uses for a state dtype ("float32", "bfloat16", ...)."""
+    return dict(FENCED if state_dtype == "float32" else DEP_ORDERED)
+
+
+def measured(**knobs) -> dict:
+    """A measured variant: knobs on top of the fenced kernel, the base every variant in
+    bench/results/ was measured against, whatever the state dtype ships."""
+    return {**FENCED, **knobs}
+
+
+def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
+                  use_qk_l2norm_in_kernel=True, has_row_map=False,
+                  stages=("replay", "verify", "record"), prefetch=True, late=None,
+                  rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
+                  rows_end=None, dep=None, record_parts=("rows", "flag"), hip=False):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
-    for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). `stages`,
-    `prefetch` (0, 1, 2), `late`, `rec_in_verify`, `pipe`, `maxnreg` (CUDA) and `waves_per_eu`
-    (ROCm) select measured variants; the defaults are the shipped kernel."""
+    for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
+    knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
+    `stages`, `prefetch` (0, 1, 2), `rec_in_verify`, `maxnreg` (CUDA), `waves_per_eu`
+    (ROCm) and `record_parts` (probes) select measured variants (see `measured`)."""
+    given = dict(late=late, spec=spec, dep=dep, rows_end=rows_end)
+    knobs = {k_: (v_ if v_ is not None else shipped_protocol(state_dtype)[k_])
+             for k_, v_ in given.items()}
+    late, spec, dep, rows_end = knobs["late"], knobs["spec"], knobs["dep"], knobs["rows_end"]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
     if BK != K:
@@ -490,14 +501,23 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, use_qk_l2norm_in_kernel=
         raise ValueError("the record rows are written by the verify loop: keep 'verify'")
     if int(prefetch) not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
-    if pipe and (int(prefetch) != 1 or rec_in_verify):
-        raise ValueError("pipe needs prefetch=1 and the record written as tiles")
+    if rows_end and rec_in_verify:
+        raise ValueError("rows_end stores the record tiles; rec_in_verify stores no tiles")
+    if dep and not (late and spec):
+        raise ValueError("dep counts in without a fence: it needs late and spec (every load "
+                         "that does not need the flag issued before the count-in)")
+    if spec and int(prefetch) == 0:
+        raise ValueError("spec loads the first replay row ahead: it needs prefetch 1 or 2")
     constexprs = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, S=S, SP=triton.next_power_of_2(S),
         stride_state_page=state_page_stride, USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         HAS_ROW_MAP=has_row_map, DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
         DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
-        REC_IN_VERIFY=bool(rec_in_verify), PIPE=bool(pipe),
+        REC_IN_VERIFY=bool(rec_in_verify), SPEC=bool(spec),
+        ROWS_END=bool(rows_end), DEP=bool(dep),
+        # probes only (a record without its rows or its flag is not a record): where the
+        # record's cost goes
+        REC_ROWS="rows" in record_parts, REC_FLAG="flag" in record_parts,
         THREADS=STOCK_NUM_WARPS * 32)  # one element per thread on 32-wide warps (CUDA, RDNA)
     options = dict(num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES)
     # register caps change how values are kept, not the arithmetic: ptxas's on CUDA, the AMDGPU
@@ -520,6 +540,7 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
     S = _check_layout(ssm_state, record, flag, H, HV, K, V)
     constexprs, options = kernel_config(
         H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
+        state_dtype=str(ssm_state.dtype).removeprefix("torch."),
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=row_map is not None,
         hip=torch.version.hip is not None, **variant)
     if out is None:

@@ -30,7 +30,7 @@ from r9k.capacity import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.gpu_step import clear_flags
 from r9k.kernels.onepage import GdnHeads
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
-from r9k.kernels.triton_fused import onepage_fused_step
+from r9k.kernels.triton_fused import DEP_ORDERED, measured, onepage_fused_step
 
 
 def onepage_fused_step_kernel():
@@ -52,30 +52,50 @@ SHAPES = {
     "flash-next-tp4": GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# fused-kernel variants (keyword arguments of onepage_fused_step) that --variants can time
+# fused-kernel variants (keyword arguments of onepage_fused_step) that --variants can time:
+# knobs on the fenced kernel (`measured`), whatever the state dtype ships
 VARIANTS = {
-    "no_record": dict(stages=("replay", "verify")),
-    "verify_only": dict(stages=("verify",)),
-    "replay_only": dict(stages=("replay",)),
-    "no_prefetch": dict(prefetch=0),
+    # the two shipped protocols, each on any state dtype
+    "fenced": measured(),
+    "dep_ordered": measured(**DEP_ORDERED),
+    "no_record": measured(stages=("replay", "verify")),
+    # probes: the record's rows without its flag protocol, and the protocol without rows
+    "rows_only": measured(record_parts=("rows",)),
+    "flag_only": measured(record_parts=("flag",)),
+    "late_rows_only": measured(late=True, record_parts=("rows",)),
+    "late_flag_only": measured(late=True, record_parts=("flag",)),
+    "verify_only": measured(stages=("verify",)),
+    "replay_only": measured(stages=("replay",)),
+    "no_prefetch": measured(prefetch=0),
     # register caps: maxnreg applies on CUDA, waves_per_eu on ROCm (the other is ignored)
-    "fused_r80": dict(maxnreg=80),
-    "fused_w16": dict(waves_per_eu=16),
-    "p0_late_w16": dict(prefetch=0, late=True, waves_per_eu=16),
-    "late": dict(late=True),
-    "late_r80": dict(late=True, maxnreg=80),
-    "late_riv": dict(late=True, rec_in_verify=True),
-    "p0_late": dict(prefetch=0, late=True),
-    "p0_late_r80": dict(prefetch=0, late=True, maxnreg=80),
-    "p0_late_r72": dict(prefetch=0, late=True, maxnreg=72),
+    "fused_r80": measured(maxnreg=80),
+    "fused_w16": measured(waves_per_eu=16),
+    "p0_late_w16": measured(prefetch=0, late=True, waves_per_eu=16),
+    "late": measured(late=True),
+    "late_r80": measured(late=True, maxnreg=80),
+    "late_riv": measured(late=True, rec_in_verify=True),
+    "p0_late": measured(prefetch=0, late=True),
+    "p0_late_r80": measured(prefetch=0, late=True, maxnreg=80),
+    "p0_late_r72": measured(prefetch=0, late=True, maxnreg=72),
     # 8 programs per SM: TP2 N = 16 (1,024 programs) in one wave on 132 SMs, stock needs two
-    "p0_late_r64": dict(prefetch=0, late=True, maxnreg=64),
-    "p2_late_riv": dict(prefetch=2, late=True, rec_in_verify=True),
-    "p2_late_riv_r80": dict(prefetch=2, late=True, rec_in_verify=True, maxnreg=80),
-    "pipe": dict(pipe=True),
-    "pipe_late": dict(late=True, pipe=True),
-    "pipe_late_r96": dict(late=True, pipe=True, maxnreg=96),
-    "pipe_late_r80": dict(late=True, pipe=True, maxnreg=80),
+    "p0_late_r64": measured(prefetch=0, late=True, maxnreg=64),
+    "p2_late_riv": measured(prefetch=2, late=True, rec_in_verify=True),
+    "p2_late_riv_r80": measured(prefetch=2, late=True, rec_in_verify=True, maxnreg=80),
+    # loads beside the flag read: the replay waits one round trip less
+    "spec": measured(spec=True),
+    "p2_spec": measured(prefetch=2, spec=True),
+    "late_spec": measured(late=True, spec=True),
+    "p2_late_spec": measured(prefetch=2, late=True, spec=True),
+    "late_riv_spec": measured(late=True, rec_in_verify=True, spec=True),
+    # record tiles stored after the verify loop
+    "rows_end": measured(rows_end=True),
+    "late_rows_end": measured(late=True, rows_end=True),
+    "late_spec_rows_end": measured(late=True, spec=True, rows_end=True),
+    "p0_late_rows_end": measured(prefetch=0, late=True, rows_end=True),
+    # the count-in ordered by dependencies instead of a release fence / acquire flip
+    "late_spec_dep": measured(late=True, spec=True, dep=True),
+    "late_spec_dep_rows_end": measured(late=True, spec=True, dep=True, rows_end=True),
+    "p2_late_spec_dep": measured(prefetch=2, late=True, spec=True, dep=True),
 }
 
 
@@ -231,7 +251,8 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     bits = {}
     ref = None
     base = onepage_pools()
-    for name in ["fused"] + [v_ for v_ in variants if "stages" not in VARIANTS[v_]]:
+    probes = ("stages", "record_parts")
+    for name in ["fused"] + [v_ for v_ in variants if not set(probes) & set(VARIANTS[v_])]:
         pool, record, flag = (x_.clone() for x_ in base)
         out = onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool,
                                  record=record, flag=flag, state_indices=pages,

@@ -8,7 +8,7 @@ Triton, so a variant can be shaped before a GPU is lent. Use the Triton version 
 runs (its ptxas decides the registers): the JSON records it.
 
     python bench/scripts/gdn_kernel_static.py \
-        --variants late,pipe_late,pipe_late_r80,p0_late_r80 \
+        --variants fenced,dep_ordered,late,p0_late_r80 \
         --out bench/results/gdn_kernel_static_flashnext.json
 
 Per CUDA target (sm_90, the H200): registers and spilled bytes from the cubin, programs per SM

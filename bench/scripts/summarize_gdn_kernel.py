@@ -17,7 +17,7 @@ from pathlib import Path
 
 # (fused_* : the names of runs before the variants table)
 PROBES = ("no_record", "verify_only", "replay_only", "fused_no_record", "fused_verify_only",
-          "fused_replay_only")
+          "fused_replay_only", "rows_only", "flag_only", "late_rows_only", "late_flag_only")
 NOT_KERNELS = ("stock", "stock_eager_host", "fused_eager_host", "composed_kernels",
                "composed_step_eager")
 

@@ -9,6 +9,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from r9k.bench.kernel_static import fused_compiled, stock_compiled  # noqa: E402
+from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 
 R9700 = GPUTarget("hip", "gfx1201", 32)
@@ -18,11 +19,14 @@ S = 8
 
 
 @pytest.mark.parametrize("state_ty,variant",
-                         [("fp32", dict(prefetch=0)), ("bf16", dict(prefetch=0)),
-                          ("fp32", dict(prefetch=1)),
-                          # measured variants (issue 16): they must build for the R9700 too
-                          ("bf16", dict(prefetch=1, late=True, pipe=True)),
-                          ("bf16", dict(prefetch=2, late=True, rec_in_verify=True))])
+                         [("fp32", measured(prefetch=0)), ("bf16", measured(prefetch=0)),
+                          # as shipped per dtype (fp32: fenced, bf16: dependency-ordered)
+                          ("fp32", {}), ("bf16", {}),
+                          # the other dtype's protocol, and measured variants (issue 16):
+                          # they must build for the R9700 too
+                          ("fp32", measured(**DEP_ORDERED)), ("bf16", measured()),
+                          ("bf16", measured(late=True, rows_end=True)),
+                          ("bf16", measured(prefetch=2, late=True, rec_in_verify=True))])
 def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, variant):
     # both with the options their launchers pass (enable_fp_fusion left to Triton's default)
     fused = fused_compiled(QWEN35_27B_TP2, state_ty, S, variant, R9700)
@@ -56,7 +60,7 @@ def test_waves_per_eu_cap_reaches_stock_occupancy_on_gfx1201(state_ty):
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     stock = hip_facts(stock_compiled(heads, state_ty, 4, R9700))
     capped = hip_facts(fused_compiled(heads, state_ty, 4,
-                                      dict(prefetch=0, late=True, waves_per_eu=16), R9700))
+                                      measured(prefetch=0, late=True, waves_per_eu=16), R9700))
     assert stock["waves_per_simd"] and capped["waves_per_simd"]
     assert capped["waves_per_simd"] >= stock["waves_per_simd"], (capped, stock)
     assert capped["vgpr_spills"] == 0, capped
@@ -70,8 +74,8 @@ def test_maxnreg_cap_keeps_the_arithmetic_on_sm90():
 
     h200 = GPUTarget("cuda", 90, 32)
     heads = GdnHeads(**_FLASH_NEXT_TP2)
-    free = cuda_facts(fused_compiled(heads, "bf16", 4, dict(prefetch=0, late=True), h200))
-    capped = cuda_facts(fused_compiled(heads, "bf16", 4, dict(prefetch=0, late=True, maxnreg=80),
+    free = cuda_facts(fused_compiled(heads, "bf16", 4, measured(prefetch=0, late=True), h200))
+    capped = cuda_facts(fused_compiled(heads, "bf16", 4, measured(prefetch=0, late=True, maxnreg=80),
                                        h200))
     assert capped["regs"] <= 80 < free["regs"], (capped["regs"], free["regs"])
     assert capped["programs_per_sm"] > free["programs_per_sm"]
@@ -83,7 +87,7 @@ def test_late_count_in_does_not_wait_for_its_answer_on_sm90():
     broadcasts a scalar atomic's answer through shared memory behind a barrier (every thread
     waits for it right there); the late count-in is one element per thread and must not be."""
     heads = GdnHeads(**_FLASH_NEXT_TP2)
-    ptx = fused_compiled(heads, "bf16", 4, dict(late=True), GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = fused_compiled(heads, "bf16", 4, measured(late=True), GPUTarget("cuda", 90, 32)).asm["ptx"]
     lines = ptx.splitlines()
     at = [i for i, line in enumerate(lines) if "atom.global.gpu.release.add" in line]
     assert len(at) == 1, at
@@ -91,8 +95,31 @@ def test_late_count_in_does_not_wait_for_its_answer_on_sm90():
     after = lines[at[0] + 1:]
     nxt = next(i for i, line in enumerate(after) if "ld.global" in line)
     assert not any("bar.sync" in line for line in after[:nxt]), "\n".join(after[:nxt])
-    # the shipped protocol's count-in does wait (a barrier right after it), which is why
-    shipped = fused_compiled(heads, "bf16", 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    # the fenced protocol's count-in does wait (a barrier right after it), which is why
+    shipped = fused_compiled(heads, "bf16", 4, measured(), GPUTarget("cuda", 90, 32)).asm["ptx"]
     lines = shipped.splitlines()
     i = next(i for i, line in enumerate(lines) if "atom.global" in line)
     assert any("bar.sync" in line for line in lines[i + 1:i + 8])
+
+
+@pytest.mark.parametrize("state_ty,protocol", [("bf16", "dep"), ("fp32", "fenced")])
+def test_shipped_protocol_per_state_dtype_on_sm90(state_ty, protocol):
+    """bf16 state ships the dependency-ordered count-in: relaxed adds predicated on the lane's
+    own (volatile) flag reads, no fence, no barrier before it and no acquire flip; fp32 state
+    ships the fenced one (an acq_rel add behind a barrier, the answer checked at once)."""
+    import re
+
+    heads = GdnHeads(**_FLASH_NEXT_TP2)
+    ptx = fused_compiled(heads, state_ty, 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    atoms = re.findall(r"^\s*(@!?%p\d+)?\s*atom\.global\.([\w.]+)", ptx, re.M)
+    assert not re.search(r"\bfence\.|membar", ptx)
+    if protocol == "dep":
+        assert [op for _, op in atoms] == ["gpu.relaxed.add.u32"], atoms
+        assert atoms[0][0], "the count-in must be predicated (on the flag reads)"
+        assert len(re.findall(r"ld\.volatile\.global", ptx)) >= 2
+        lines = ptx.splitlines()
+        at = next(i for i, line in enumerate(lines) if "atom.global" in line)
+        assert not any("bar.sync" in line for line in lines[max(0, at - 6):at + 8])
+    else:
+        assert [op for _, op in atoms] == ["gpu.acq_rel.add.u32"], atoms
+        assert "ld.volatile.global" not in ptx

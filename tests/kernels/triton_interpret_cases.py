@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.kernels.simulate import SimConfig, run_simulation  # noqa: E402
+from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
 from r9k.kernels.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
 
 # 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so the done counter
@@ -27,17 +28,22 @@ CASES = [
          null_pages=1, layers=2, seed=4),
     dict(num_seqs=2, num_spec=3, steps=3, lockstep_copies=True, seed=5),
 ]
-# the fused kernel's measured variants (issue 16: prefetch modes, the late count-in, record rows
-# from the verify loop, normalization a row ahead) on one case: kept bit-identical too
+# the fused kernel's measured variants (issue 16: prefetch modes, the late count-in, record
+# rows from the verify loop, loads beside the flag read, record tiles stored last, the fenced
+# protocol on bf16) on one case: kept bit-identical too
 VARIANT_CASE = dict(num_seqs=3, num_spec=7, steps=4, state_dtype=torch.bfloat16, row_map=True,
                     null_pages=1, seed=6)
-VARIANTS = [dict(prefetch=0), dict(prefetch=1, late=True),
-            dict(prefetch=2, late=True, rec_in_verify=True),
-            dict(prefetch=1, late=True, pipe=True)]
+VARIANTS = [measured(prefetch=0), measured(late=True),
+            measured(prefetch=2, late=True, rec_in_verify=True),
+            measured(late=True, spec=True),
+            measured(prefetch=2, spec=True), measured(late=True, rows_end=True),
+            measured()]  # the fenced protocol on bf16 state (it ships for fp32)
+# the dependency-ordered protocol (shipped for bf16) on fp32 state
+CROSS = [(CASES[0], measured(**DEP_ORDERED))]
 
 
 def sim_cases() -> int:
-    cases = [(c, dict(prefetch=1)) for c in CASES] + [(VARIANT_CASE, v) for v in VARIANTS]
+    cases = ([(c, {}) for c in CASES] + [(VARIANT_CASE, v) for v in VARIANTS] + CROSS)
     for case, variant in cases:
         chk = FusedStepChecked(**variant)
         st = run_simulation(SimConfig(TINY, **case), composed_backend, onepage_step=chk)
@@ -116,12 +122,12 @@ def bench_case() -> int:
 
     gdn_kernel.time_graph_us = lambda fn, **kw: (fn(), 1.0)[1]
     gdn_kernel.time_host_us = lambda fn, **kw: (fn(), 1.0)[1]
-    variants = ("no_record", "late", "p2_late_riv", "pipe_late", "p0_late_r64")
+    variants = ("no_record", "fenced", "dep_ordered", "late", "p2_late_riv", "p0_late_r64")
     r = gdn_kernel.bench_config(TINY, 2, torch.bfloat16, 3, 2, "cpu", False, repeats=1,
                                 variants=variants, composed=False)
     assert r["bit_identical_to_fused"] == {v: True for v in variants if v != "no_record"}, r
     assert set(variants) | {"stock", "fused"} <= set(r["time_us"]), r["time_us"]
-    print("bench case: gdn_kernel.bench_config, 5 variants, bits equal", flush=True)
+    print("bench case: gdn_kernel.bench_config, 6 variants, bits equal", flush=True)
     return 1
 
 
