@@ -9,12 +9,22 @@ Per program, with the state tile [BV, K] in registers:
    store it once (rounded to the state dtype) and continue from the rounded value, exactly as
    stock re-reads a stored slot;
 3. run the candidate rows from there, storing their outputs and no state.
-No program waits on another (each waits only for its own atomic's answer), so the kernel is
-correct under any order the GPU dispatches programs in. With `prefetch` (the default) row t + 1's
-inputs are loaded while row t computes; A_log and dt_bias are loaded once per program.
+No program waits on another, so the kernel is correct under any order the GPU dispatches
+programs in. With `prefetch` (the default) row t + 1's inputs are loaded while row t computes;
+A_log and dt_bias are loaded once per program.
 
-Measured variants (issue 16, `kernel_config`; none is the default until the H200 shows it is
-bit-identical and faster, see bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3.md):
+Two count-in protocols ship, one per state dtype (`shipped_protocol`; H200 table:
+bench/results/gdn_kernel_h200_flashnext_final_k3.md):
+- fp32 state, fenced: the record tiles are stored, then one acq_rel add behind a barrier; its
+  answer is checked at once and the last program flips the flag.
+- bf16 / fp16 state, dependency-ordered (`DEP_ORDERED` = late + spec + dep + rows_end): the
+  state and first rows load beside the flag read; the first lane of every 32 counts in with a
+  relaxed add predicated on its own flag reads (it cannot issue before they returned: no fence);
+  the last lane (seen after the verify loop) flips the flag with plain stores, which issue after
+  its add returned, after every other add, each issued after its own reads; the record tiles
+  are stored last (the next step is another launch, so the flip needs no order against them).
+
+Measured variants are knobs on the fenced kernel (`measured(...)`; bench/scripts/gdn_kernel.py):
 - `late`: count in before the state and row loads with a release add and look at the answer
   after the verify loop, so no program stalls on the atomic's round trip; the page's last to
   count in flips the flag at its end (an acquire on the reset orders the flip after the counts).
@@ -27,11 +37,14 @@ bit-identical and faster, see bench/results/gdn_kernel_h200_flashnext_tp2_tp4_k3
 - `rows_end`: the record tiles are loaded early and stored after the verify loop, so no store
   stalls the program waiting for its tile (the flag's flip needs no order against them: the
   next step is another launch).
+- `dep`: the dependency-ordered count-in (needs `late` and `spec`); `flag_volatile` reads the
+  flag with ld.volatile (slower at N = 16; not shipped).
 - `maxnreg` (CUDA) / `waves_per_eu` (ROCm): a register cap, so an SM or SIMD holds as many
   programs as it holds of stock (bench/results/gdn_kernel_static_flashnext_k3.md); arithmetic
-  unchanged.
-A leader-waits protocol measured earlier (faster at N >= 64, but it relies on in-order dispatch
-and once hung the H200) was removed.
+  unchanged, and 1.2-1.5x slower at N <= 16 on the H200.
+Removed after measurement: a leader-waits protocol (it relies on in-order dispatch and once hung
+the H200), `pipe` (normalization a row ahead: not bit-identical on sm_90) and narrower value
+tiles (slower, not bit-identical on sm_90).
 
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
@@ -105,6 +118,7 @@ def onepage_gdn_step_kernel(
     REC_FLAG: tl.constexpr = True,
     ROWS_END: tl.constexpr = False,
     DEP: tl.constexpr = False,
+    FLAG_VOLATILE: tl.constexpr = False,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -166,10 +180,11 @@ def onepage_gdn_step_kernel(
                           other=0)
             n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
             n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
-    # volatile: the compiler may neither cache nor re-read them (DEP's order rests on these
-    # registers being the values read before the count-in)
-    live_count = tl.load(p_flag + _F_COUNT, volatile=DEP)
-    raw_slot = tl.load(p_flag + _F_SLOT, volatile=DEP)
+    # DEP's order rests on these registers holding the values read before the count-in; a
+    # compiler does not re-issue a global load. `flag_volatile` (ld.volatile, measured) made
+    # bf16 N = 16 12-13% slower on the H200
+    live_count = tl.load(p_flag + _F_COUNT, volatile=FLAG_VOLATILE)
+    raw_slot = tl.load(p_flag + _F_SLOT, volatile=FLAG_VOLATILE)
     live_slot = raw_slot & 1
     n_replay = tl.minimum(tl.load(num_accepted + i_n).to(tl.int32), live_count)
     n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
@@ -480,7 +495,8 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   use_qk_l2norm_in_kernel=True, has_row_map=False,
                   stages=("replay", "verify", "record"), prefetch=True, late=None,
                   rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
-                  rows_end=None, dep=None, record_parts=("rows", "flag"), hip=False):
+                  rows_end=None, dep=None, flag_volatile=False, record_parts=("rows", "flag"),
+                  hip=False):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
     knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
@@ -515,6 +531,7 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
         REC_IN_VERIFY=bool(rec_in_verify), SPEC=bool(spec),
         ROWS_END=bool(rows_end), DEP=bool(dep),
+        FLAG_VOLATILE=bool(flag_volatile),
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes
         REC_ROWS="rows" in record_parts, REC_FLAG="flag" in record_parts,

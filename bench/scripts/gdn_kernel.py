@@ -58,6 +58,7 @@ VARIANTS = {
     # the two shipped protocols, each on any state dtype
     "fenced": measured(),
     "dep_ordered": measured(**DEP_ORDERED),
+    "dep_volatile_flag": measured(**DEP_ORDERED, flag_volatile=True),
     "no_record": measured(stages=("replay", "verify")),
     # probes: the record's rows without its flag protocol, and the protocol without rows
     "rows_only": measured(record_parts=("rows",)),
