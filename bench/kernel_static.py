@@ -54,7 +54,8 @@ def fused_compiled(heads, state: str, S: int, variant: dict, target):
                                         state_dtype={"bf16": "bfloat16", "fp32": "float32",
                                                      "fp16": "float16"}[state],
                                         state_page_stride=HV * V * K,
-                                        hip=target.backend == "hip", **variant)
+                                        hip=target.backend == "hip", warp_size=target.warp_size,
+                                        **variant)
     ptr = {"A_log": "*fp32", "h": f"*{state}", "flag": "*i32", "cu_seqlens": "*i32",
            "state_indices": "*i32", "num_accepted": "*i32", "row_map": "*i32"}
     scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",

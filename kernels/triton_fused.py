@@ -18,7 +18,7 @@ bench/results/gdn_kernel_h200_flashnext_final_k3.md):
 - fp32 state, fenced: the record tiles are stored, then one acq_rel add behind a barrier; its
   answer is checked at once and the last program flips the flag.
 - bf16 / fp16 state, dependency-ordered (`DEP_ORDERED` = late + spec + dep + rows_end): the
-  state and first rows load beside the flag read; the first lane of every 32 counts in with a
+  state and first rows load beside the flag read; the first lane of every warp counts in with a
   relaxed add predicated on its own flag reads (it cannot issue before they returned: no fence);
   the last lane (seen after the verify loop) flips the flag with plain stores, which issue after
   its add returned, after every other add, each issued after its own reads; the record tiles
@@ -54,6 +54,8 @@ feed the state. Portable Triton only (no vendor intrinsics): it builds for CUDA 
 RDNA4 (gfx1201, wave32).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -113,6 +115,7 @@ def onepage_gdn_step_kernel(
     LATE: tl.constexpr = False,
     REC_IN_VERIFY: tl.constexpr = False,
     THREADS: tl.constexpr = 128,
+    WARP: tl.constexpr = 32,
     SPEC: tl.constexpr = False,
     REC_ROWS: tl.constexpr = True,
     REC_FLAG: tl.constexpr = True,
@@ -191,23 +194,24 @@ def onepage_gdn_step_kernel(
     new_slot = 1 - live_slot
     n_rows = tl.minimum(T, S)
     if DO_RECORD and REC_FLAG and LATE:
-        # count in before any other load is issued: the release then waits for the flag
-        # reads only, and the count's answer is looked at after the verify loop. One element
-        # per thread with only thread 0's live, not a scalar: Triton broadcasts a scalar (or
-        # replicated) atomic's answer to every thread through shared memory behind a barrier,
-        # which would stall the program here after all
+        # the count's answer is looked at after the verify loop. One element per thread
+        # (THREADS = warps x warp size, element i in thread i), not a scalar: Triton broadcasts
+        # a scalar (or replicated) atomic's answer to every thread through shared memory
+        # behind a barrier, which would stall the program here
         o_t = tl.arange(0, THREADS)
         if DEP:
-            # DEP: no fence and no barrier. The first lane of every 32 counts in, predicated
-            # on its own flag reads (a test no flag value written here fails), so its atomic
-            # cannot issue before those reads have returned; the page's last lane to count
-            # in flips the flag only after its own atomic returned. The order is carried by
-            # dependencies, not by release / acquire
-            one = (((o_t % 32) == 0) & (o_t * 0 + T > 0)
+            # DEP: no fence and no barrier. Every warp reads the flag itself; its first lane
+            # counts in, predicated on that warp's flag values (a test no flag value written
+            # here fails), so the add cannot issue before the warp's reads returned. The
+            # page's last lane to count in flips the flag only after its own add returned.
+            # The order is carried by dependencies, not by release / acquire
+            one = (((o_t % WARP) == 0) & (o_t * 0 + T > 0)
                    & (o_t * 0 + live_count != -2147483648) & (o_t * 0 + raw_slot != -2147483648))
             done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
                                  sem="relaxed")
         else:
+            # count in before the state and row loads: the release waits for the flag reads
+            # only; thread 0 counts for the program
             one = (o_t == 0) & (o_t * 0 + T > 0)  # full-width: the interpreter wants tensor masks
             tl.debug_barrier()
             done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
@@ -439,12 +443,13 @@ def onepage_gdn_step_kernel(
         tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty), mask=m_sk)
 
     if DO_RECORD and REC_FLAG and LATE:
-        # the page's last to count in: every other program has read the flag. The acquire (on
-        # the reset) orders the flip after their counts. Only thread 0 holds the answer
+        # the page's last to count in: every other program has read the flag. Only the
+        # counting lanes hold an answer
         if DEP:
-            last = one & (done == NV * HV * (THREADS // 32) - 1)
+            last = one & (done == NV * HV * (THREADS // WARP) - 1)
             tl.store(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last)
         else:
+            # the acquire (on the reset) orders the flip after the other programs' counts
             last = one & (done == NV * HV - 1)
             tl.atomic_xchg(p_flag + _F_DONE + o_t * 0, o_t * 0, mask=last, sem="acquire")
         tl.store(p_flag + _F_COUNT + o_t * 0, o_t * 0 + n_rows.to(tl.int32), mask=last)
@@ -496,12 +501,13 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   stages=("replay", "verify", "record"), prefetch=True, late=None,
                   rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
                   rows_end=None, dep=None, flag_volatile=False, record_parts=("rows", "flag"),
-                  hip=False):
+                  hip=False, warp_size=32):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
     knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
     `stages`, `prefetch` (0, 1, 2), `rec_in_verify`, `maxnreg` (CUDA), `waves_per_eu`
-    (ROCm) and `record_parts` (probes) select measured variants (see `measured`)."""
+    (ROCm), `flag_volatile` and `record_parts` (probes) select measured variants (see
+    `measured`). `warp_size`: the device's (32, or 64 on CDNA)."""
     given = dict(late=late, spec=spec, dep=dep, rows_end=rows_end)
     knobs = {k_: (v_ if v_ is not None else shipped_protocol(state_dtype)[k_])
              for k_, v_ in given.items()}
@@ -535,7 +541,9 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes
         REC_ROWS="rows" in record_parts, REC_FLAG="flag" in record_parts,
-        THREADS=STOCK_NUM_WARPS * 32)  # one element per thread on 32-wide warps (CUDA, RDNA)
+        # one element per thread: DEP counts one lane per warp, whatever the warp size (32 on
+        # CUDA and RDNA, 64 on CDNA)
+        THREADS=STOCK_NUM_WARPS * int(warp_size), WARP=int(warp_size))
     options = dict(num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES)
     # register caps change how values are kept, not the arithmetic: ptxas's on CUDA, the AMDGPU
     # backend's occupancy target on ROCm; each is ignored on the other vendor
@@ -544,6 +552,23 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     if waves_per_eu and hip:
         options["waves_per_eu"] = int(waves_per_eu)
     return constexprs, options
+
+
+def _warp_size(device) -> int:
+    """32 on CUDA and RDNA, 64 on CDNA (gfx9): what Triton compiles for on that device."""
+    if device.type != "cuda":
+        return 32  # the interpreter (CPU tensors)
+    return _device_warp_size(device.index if device.index is not None
+                             else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_warp_size(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    size = getattr(props, "warp_size", None)
+    if size is None:
+        size = 64 if str(getattr(props, "gcnArchName", "")).startswith("gfx9") else 32
+    return int(size)
 
 
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
@@ -559,7 +584,7 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
         H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
         state_dtype=str(ssm_state.dtype).removeprefix("torch."),
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=row_map is not None,
-        hip=torch.version.hip is not None, **variant)
+        hip=torch.version.hip is not None, warp_size=_warp_size(ssm_state.device), **variant)
     if out is None:
         alloc = torch.zeros if row_map is not None else torch.empty
         out = alloc((T_all, HV, V), dtype=v.dtype, device=v.device)

@@ -2,6 +2,8 @@
 (ROCm, gfx1201, wave32) with Triton's offline compiler: no GPU needed. This is the evidence that
 the production target builds; it also checks that both kernels get the same compile options
 (a differing `enable_fp_fusion` would break bit-identity)."""
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -97,28 +99,81 @@ def test_late_count_in_does_not_wait_for_its_answer_on_sm90():
     nxt = next(i for i, line in enumerate(after) if "ld.global" in line)
     assert not any("bar.sync" in line for line in after[:nxt]), "\n".join(after[:nxt])
     # the fenced protocol's count-in does wait (a barrier right after it), which is why
-    shipped = fused_compiled(heads, "bf16", 4, measured(), GPUTarget("cuda", 90, 32)).asm["ptx"]
-    lines = shipped.splitlines()
+    fenced = fused_compiled(heads, "bf16", 4, measured(), sm90).asm["ptx"]
+    lines = fenced.splitlines()
     i = next(i for i, line in enumerate(lines) if "atom.global" in line)
     assert any("bar.sync" in line for line in lines[i + 1:i + 8])
 
 
+_PTX_REG = re.compile(r"%[a-z]+\d+")
+
+
+def _ptx_defs(ptx: str) -> dict:
+    """register -> the PTX instructions that write it (Triton's inline-asm loads included)."""
+    defs = {}
+    for line in ptx.splitlines():
+        ins = line.split("//")[0].strip().rstrip(";")
+        if not ins or ins.startswith((".", "}", "{")) or ins.endswith(":"):
+            continue
+        body = re.sub(r"^@!?%p\d+\s+", "", ins)
+        parts = body.split(None, 1)
+        if len(parts) < 2 or parts[0].startswith(("st.", "atom.", "red.", "bar.", "bra")):
+            continue
+        dest = parts[1].split("}", 1)[0] if parts[1].lstrip().startswith("{") else \
+            parts[1].split(",", 1)[0]
+        for reg in _PTX_REG.findall(dest):
+            defs.setdefault(reg, []).append(ins)
+    return defs
+
+
+def _flag_compares_feeding(ptx: str, pred: str) -> list:
+    """The `setp ..., -2147483648` compares in the backward slice of `pred` whose compared
+    register is written by a global load (the dependency-ordered count-in's flag tests)."""
+    defs, seen, todo, found = _ptx_defs(ptx), set(), [pred], []
+    while todo:
+        reg = todo.pop()
+        if reg in seen:
+            continue
+        seen.add(reg)
+        for ins in defs.get(reg, []):
+            srcs = _PTX_REG.findall(ins)
+            if ins.startswith("setp") and ins.endswith("-2147483648"):
+                if any("ld.global" in d for d in defs.get(srcs[-1], [])):
+                    found.append(ins)
+            todo += srcs
+    return found
+
+
 @pytest.mark.parametrize("state_ty,protocol", [("bf16", "dep"), ("fp32", "fenced")])
 def test_shipped_protocol_per_state_dtype_on_sm90(state_ty, protocol):
-    """bf16 state ships the dependency-ordered count-in: relaxed adds predicated on the lane's
-    own flag reads, no fence, no barrier beside it and no acquire flip; fp32 state
-    ships the fenced one (an acq_rel add behind a barrier, the answer checked at once)."""
-    import re
-
+    """bf16 state ships the dependency-ordered count-in: a relaxed add whose predicate is
+    computed from the warp's own flag loads (two compares of loaded values: the add cannot
+    issue before those loads returned), no fence, no barrier beside it and no acquire flip.
+    fp32 state ships the fenced one: an acq_rel add right behind a barrier."""
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     ptx = fused_compiled(heads, state_ty, 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
-    atoms = re.findall(r"^\s*(@!?%p\d+)?\s*atom\.global\.([\w.]+)", ptx, re.M)
+    atoms = re.findall(r"^\s*(?:@(%p\d+)\s+)?atom\.global\.([\w.]+)", ptx, re.M)
     assert not re.search(r"\bfence\.|membar", ptx)
+    lines = ptx.splitlines()
+    at = next(i for i, line in enumerate(lines) if "atom.global" in line)
     if protocol == "dep":
         assert [op for _, op in atoms] == ["gpu.relaxed.add.u32"], atoms
-        assert atoms[0][0], "the count-in must be predicated (on the flag reads)"
-        lines = ptx.splitlines()
-        at = next(i for i, line in enumerate(lines) if "atom.global" in line)
-        assert not any("bar.sync" in line for line in lines[max(0, at - 6):at + 8])
+        pred = atoms[0][0]
+        assert pred, "the count-in must be predicated"
+        flag_tests = _flag_compares_feeding(ptx, pred)
+        assert len(flag_tests) == 2, flag_tests  # COUNT and SLOT, as loaded
+        assert not any("bar.sync" in line for line in lines[max(0, at - 12):at + 8])
     else:
         assert [op for _, op in atoms] == ["gpu.acq_rel.add.u32"], atoms
+        assert any("bar.sync" in line for line in lines[max(0, at - 12):at])
+
+
+def test_dep_count_target_follows_the_warp_size():
+    """One counting lane per warp: 4 per program on wave32 and on wave64 alike (CDNA), so every
+    warp that reads the flag orders its own reads before a count."""
+    from r9k.kernels.triton_fused import kernel_config
+
+    for warp in (32, 64):
+        c, _ = kernel_config(H=8, HV=16, K=128, V=128, S=4, state_page_stride=16 * 128 * 128,
+                             state_dtype="bfloat16", hip=True, warp_size=warp)
+        assert c["DEP"] and c["WARP"] == warp and c["THREADS"] // c["WARP"] == 4

@@ -16,8 +16,10 @@ from r9k.kernels.simulate import SimConfig, run_simulation  # noqa: E402
 from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
 from r9k.kernels.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
 
-# 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so the done counter
-# orders several programs of one page; small enough for the interpreter
+# 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so several programs of
+# one page count in (the interpreter runs them one after another: this checks the counting,
+# not the ordering under a race, which the GPU tests exercise); small enough for the
+# interpreter
 TINY = GdnHeads(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64)
 
 CASES = [
@@ -55,7 +57,14 @@ def sim_cases() -> int:
 
 
 def api_case() -> int:
-    """onepage_spec_step, fused vs composed, K != V, [slots, HV, V, K] pool, null page."""
+    """onepage_spec_step, fused vs composed, K != V, [slots, HV, V, K] pool, null page, a
+    zero-length step; fp32 state (the fenced protocol) and bf16 (the dependency-ordered one)."""
+    for state_dtype in (torch.float32, torch.bfloat16):
+        _api_case(state_dtype)
+    return 2
+
+
+def _api_case(state_dtype) -> None:
     g = torch.Generator().manual_seed(7)
     HK, HV, K, V, S, n = 1, 2, 32, 64, 3, 3  # S = 3: not a power of two
     W = HK * K + HV * V + 2 * HV
@@ -63,7 +72,7 @@ def api_case() -> int:
     pools = {}
     for impl in ("fused", "composed"):
         g2 = torch.Generator().manual_seed(8)
-        pools[impl] = (torch.randn(n + 1, HV, V, K, generator=g2) * 0.1,
+        pools[impl] = ((torch.randn(n + 1, HV, V, K, generator=g2) * 0.1).to(state_dtype),
                        torch.randn(n + 1, 2, S, W, generator=g2).bfloat16(),
                        torch.randint(0, 2, (n + 1, 4), generator=g2, dtype=torch.int32))
         clear_flags(pools[impl][2], torch.tensor([1, 2, 3, 0], dtype=torch.int32))
@@ -107,8 +116,8 @@ def api_case() -> int:
             for _, _, fl in pools.values():
                 clear_flags(fl, pages)
     assert int(pools["fused"][2][2, 0]) > 0  # a live record was kept
-    print("api case: K != V, S = 3, null page, zero-length step, 4 steps", flush=True)
-    return 1
+    print(f"api case {state_dtype}: K != V, S = 3, null page, zero-length step, 4 steps",
+          flush=True)
 
 
 def bench_case() -> int:
