@@ -508,10 +508,11 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     `stages`, `prefetch` (0, 1, 2), `rec_in_verify`, `maxnreg` (CUDA), `waves_per_eu`
     (ROCm), `flag_volatile` and `record_parts` (probes) select measured variants (see
     `measured`). `warp_size`: the device's (32, or 64 on CDNA)."""
-    given = dict(late=late, spec=spec, dep=dep, rows_end=rows_end)
-    knobs = {k_: (v_ if v_ is not None else shipped_protocol(state_dtype)[k_])
-             for k_, v_ in given.items()}
-    late, spec, dep, rows_end = knobs["late"], knobs["spec"], knobs["dep"], knobs["rows_end"]
+    ship = shipped_protocol(state_dtype)
+    late = ship["late"] if late is None else late
+    spec = ship["spec"] if spec is None else spec
+    dep = ship["dep"] if dep is None else dep
+    rows_end = ship["rows_end"] if rows_end is None else rows_end
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
     if BK != K:

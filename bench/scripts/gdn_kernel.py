@@ -58,7 +58,9 @@ VARIANTS = {
     # the two shipped protocols, each on any state dtype
     "fenced": measured(),
     "dep_ordered": measured(**DEP_ORDERED),
+    # the dependency-ordered one with ld.volatile flag reads (measured, not shipped)
     "dep_volatile_flag": measured(**DEP_ORDERED, flag_volatile=True),
+    # probes: no record at all (the floor)
     "no_record": measured(stages=("replay", "verify")),
     # probes: the record's rows without its flag protocol, and the protocol without rows
     "rows_only": measured(record_parts=("rows",)),
