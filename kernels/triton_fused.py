@@ -39,6 +39,10 @@ Measured variants are knobs on the fenced kernel (`measured(...)`; bench/scripts
   next step is another launch).
 - `dep`: the dependency-ordered count-in (needs `late` and `spec`); `flag_volatile` reads the
   flag with ld.volatile (slower at N = 16; not shipped).
+- probes (wrong values or order, timing only): `record_parts` (the record's rows or its flag
+  alone), `replay_prep=False` (replayed rows skip normalization and gates), `count_probe` (1:
+  one add per program, 2: no add). The `skew_spin` test knob makes each page's last program
+  start late (tests/gpu).
 - `maxnreg` (CUDA) / `waves_per_eu` (ROCm): a register cap, so an SM or SIMD holds as many
   programs as it holds of stock (bench/results/gdn_kernel_static_flashnext_k3.md); arithmetic
   unchanged, and 1.2-1.5x slower at N <= 16 on the H200.
@@ -122,6 +126,9 @@ def onepage_gdn_step_kernel(
     ROWS_END: tl.constexpr = False,
     DEP: tl.constexpr = False,
     FLAG_VOLATILE: tl.constexpr = False,
+    REPLAY_PREP: tl.constexpr = True,
+    COUNT_PROBE: tl.constexpr = 0,
+    SKEW_SPIN: tl.constexpr = 0,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -151,6 +158,15 @@ def onepage_gdn_step_kernel(
         return
 
     p_flag = flag + page * stride_flag_page
+    if SKEW_SPIN > 0:
+        # test knob (tests/gpu): the page's last program spins before it reads the flag, so
+        # it starts long after the others have finished; a flip that does not wait for every
+        # program's read is then seen. The flag address depends on the spin (never taken)
+        if (i_v == NV - 1) & (i_hv == HV - 1):
+            x_spin = tl.load(A_log + i_hv).to(tl.float32)
+            for _ in range(SKEW_SPIN):
+                x_spin = x_spin * 0.999 + 0.001
+            p_flag += (x_spin == 12345.5).to(tl.int64)
     if SPEC:
         # SPEC: everything whose address does not depend on the flag is issued beside the
         # flag read (and before the count-in's fence): the state, both record slots' first
@@ -207,8 +223,21 @@ def onepage_gdn_step_kernel(
             # The order is carried by dependencies, not by release / acquire
             one = (((o_t % WARP) == 0) & (o_t * 0 + T > 0)
                    & (o_t * 0 + live_count != -2147483648) & (o_t * 0 + raw_slot != -2147483648))
-            done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
-                                 sem="relaxed")
+            # COUNT_PROBE (timing probes, bench/results/gdn_kernel_h200_flashnext_count_k3.md):
+            # 1 = one add per program (wrong order for the other warps), 2 = no add at all
+            if COUNT_PROBE == 1:
+                one = one & (o_t == 0)
+            if COUNT_PROBE == 2:
+                one = one & (o_t == 0) & (o_t * 0 + i_v + i_hv == 0)
+                done = o_t * 0 + NV * HV * (THREADS // WARP) - 1
+            else:
+                # ptxas aggregates this add across the warp and hands the answer out by a
+                # shuffle at once; a lane-varying address avoids that but timed the same on
+                # the H200 (gdn_kernel_h200_flashnext_count_k3.md), so the proven code stays
+                done = tl.atomic_add(p_flag + _F_DONE + o_t * 0, o_t * 0 + 1, mask=one,
+                                     sem="relaxed")
+            if COUNT_PROBE == 1:
+                done = done * (THREADS // WARP)
         else:
             # count in before the state and row loads: the release waits for the flag reads
             # only; thread 0 counts for the program
@@ -328,16 +357,21 @@ def onepage_gdn_step_kernel(
                 b_v = tl.load(p_rv, mask=mask_v, other=0).to(tl.float32)
                 b_b = tl.load(p_rb).to(tl.float32)
                 x = tl.load(p_ra).to(tl.float32) + c_dtb
-            softplus_x = tl.where(
-                beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
-            )
-            b_g = c_negA * softplus_x
+            if REPLAY_PREP:
+                softplus_x = tl.where(
+                    beta * x <= threshold, (1 / beta) * tl.log(1 + tl.exp(beta * x)), x
+                )
+                b_g = c_negA * softplus_x
 
-            b_beta = tl.sigmoid(b_b.to(tl.float32))
+                b_beta = tl.sigmoid(b_b.to(tl.float32))
 
-            if USE_QK_L2NORM_IN_KERNEL:
-                b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
-            b_h *= tl.exp(b_g)
+                if USE_QK_L2NORM_IN_KERNEL:
+                    b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+                b_h *= tl.exp(b_g)
+            else:
+                # probe: the rows' normalization and gates as if stored ready (wrong values)
+                b_beta = b_b
+                b_h *= x
             b_v -= tl.sum(b_h * b_k[None, :], 1)
             b_v *= b_beta
             b_h += b_v[:, None] * b_k[None, :]
@@ -501,13 +535,14 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   stages=("replay", "verify", "record"), prefetch=True, late=None,
                   rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
                   rows_end=None, dep=None, flag_volatile=False, record_parts=("rows", "flag"),
-                  hip=False, warp_size=32):
+                  hip=False, warp_size=32, replay_prep=True, count_probe=0, skew_spin=0):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
     knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
     `stages`, `prefetch` (0, 1, 2), `rec_in_verify`, `maxnreg` (CUDA), `waves_per_eu`
-    (ROCm), `flag_volatile` and `record_parts` (probes) select measured variants (see
-    `measured`). `warp_size`: the device's (32, or 64 on CDNA)."""
+    (ROCm), `flag_volatile`, `record_parts`, `replay_prep` and `count_probe` (probes) select
+    measured variants (see `measured`); `skew_spin` is a test knob. `warp_size`: the device's
+    (32, or 64 on CDNA)."""
     ship = shipped_protocol(state_dtype)
     late = ship["late"] if late is None else late
     spec = ship["spec"] if spec is None else spec
@@ -541,6 +576,8 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         FLAG_VOLATILE=bool(flag_volatile),
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes
+        REPLAY_PREP=bool(replay_prep), COUNT_PROBE=int(count_probe),
+        SKEW_SPIN=int(skew_spin),
         REC_ROWS="rows" in record_parts, REC_FLAG="flag" in record_parts,
         # one element per thread: DEP counts one lane per warp, whatever the warp size (32 on
         # CUDA and RDNA, 64 on CDNA)

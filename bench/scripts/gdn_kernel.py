@@ -68,6 +68,9 @@ VARIANTS = {
     "late_rows_only": measured(late=True, record_parts=("rows",)),
     "late_flag_only": measured(late=True, record_parts=("flag",)),
     "verify_only": measured(stages=("verify",)),
+    # probes: replay rows without their normalization and gates (as if the record held them)
+    "dep_no_prep": measured(**DEP_ORDERED, replay_prep=False),
+    "no_record_no_prep": measured(stages=("replay", "verify"), replay_prep=False),
     "replay_only": measured(stages=("replay",)),
     "no_prefetch": measured(prefetch=0),
     # register caps: maxnreg applies on CUDA, waves_per_eu on ROCm (the other is ignored)
@@ -99,6 +102,12 @@ VARIANTS = {
     "late_spec_dep": measured(late=True, spec=True, dep=True),
     "late_spec_dep_rows_end": measured(late=True, spec=True, dep=True, rows_end=True),
     "p2_late_spec_dep": measured(prefetch=2, late=True, spec=True, dep=True),
+    "late_spec_dep_riv": measured(late=True, spec=True, dep=True, rec_in_verify=True),
+    # probes: the count-in's contention (one add per program; no add at all)
+    "dep_count_w0": measured(**DEP_ORDERED, count_probe=1),
+    "dep_count_none": measured(**DEP_ORDERED, count_probe=2),
+    "dep_rows_only": measured(**DEP_ORDERED, record_parts=("rows",)),
+    "dep_flag_only": measured(**DEP_ORDERED, record_parts=("flag",)),
 }
 
 
@@ -254,7 +263,7 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     bits = {}
     ref = None
     base = onepage_pools()
-    probes = ("stages", "record_parts")
+    probes = ("stages", "record_parts", "replay_prep", "count_probe")
     for name in ["fused"] + [v_ for v_ in variants if not set(probes) & set(VARIANTS[v_])]:
         pool, record, flag = (x_.clone() for x_ in base)
         out = onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool,

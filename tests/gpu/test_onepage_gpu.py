@@ -90,6 +90,33 @@ def test_measured_variants_bit_identical(shape, state, variant, num_seqs):
         assert_replay_coverage(st, num_candidates=4)
 
 
+# iterations of a dependent multiply-add (about 4 cycles each, so tens of microseconds): the
+# skewed program starts after the rest of the page's programs have finished
+SKEW_SPIN = 20000
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("state", list(DTYPES))
+@pytest.mark.parametrize("protocol", ["fenced", "dep_ordered"])
+def test_protocols_hold_when_a_program_starts_late(shape, state, protocol):
+    """Each page's last program spins before it reads the flag: every other program of the
+    page has counted in (and finished) first. Both protocols must still flip only after its
+    read: bit-identical steps."""
+    st = _sim(SHAPES[shape], variant={**MEASURED_VARIANTS[protocol], "skew_spin": SKEW_SPIN},
+              num_seqs=16, num_spec=3, steps=4, state_dtype=DTYPES[state], seed=21)
+    assert_replay_coverage(st, num_candidates=4)
+
+
+@pytest.mark.parametrize("state", list(DTYPES))
+def test_skew_exposes_a_flip_that_does_not_wait(state):
+    """The test above has teeth: with the count-in removed (one program flips the flag at its
+    end, a timing probe) the late program reads the flipped flag and replays the wrong slot."""
+    broken = measured(**DEP_ORDERED, count_probe=2, skew_spin=SKEW_SPIN)
+    with pytest.raises(AssertionError, match="fused step"):
+        _sim(FLASH_NEXT_TP4, variant=broken, num_seqs=16, num_spec=3, steps=4,
+             state_dtype=DTYPES[state], seed=21)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("state", list(DTYPES))
 @pytest.mark.parametrize("variant", ["shipped", "no_prefetch"])

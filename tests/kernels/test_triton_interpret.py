@@ -23,5 +23,5 @@ def test_fused_and_composed_match_stock_under_interpreter():
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "ok 16 cases", res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "ok 17 cases", res.stdout
     assert res.stdout.count("sim {") == 13

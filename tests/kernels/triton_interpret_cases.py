@@ -120,6 +120,27 @@ def _api_case(state_dtype) -> None:
           flush=True)
 
 
+def skew_case() -> int:
+    """The GPU tests' skew knob (tests/gpu/test_onepage_gpu.py): each page's last program spins
+    before it reads the flag. Here programs run one after another, so the last one always reads
+    after the rest: the shipped protocols pass with the knob on, and a flip that does not wait
+    (the no-count-in probe) is caught, as the GPU test expects of a real race."""
+    case = dict(num_seqs=2, num_spec=3, steps=3, state_dtype=torch.bfloat16, seed=7)
+    for variant in (measured(skew_spin=3), measured(**DEP_ORDERED, skew_spin=3)):
+        run_simulation(SimConfig(TINY, **case), composed_backend,
+                       onepage_step=FusedStepChecked(**variant))
+    try:
+        run_simulation(SimConfig(TINY, **case), composed_backend,
+                       onepage_step=FusedStepChecked(**measured(**DEP_ORDERED, count_probe=2,
+                                                                skew_spin=3)))
+    except AssertionError as e:
+        assert "fused step" in str(e), e
+    else:
+        raise AssertionError("a flip that does not wait for the late program went unseen")
+    print("skew case: both protocols hold, the no-count-in probe is caught", flush=True)
+    return 1
+
+
 def bench_case() -> int:
     """bench/scripts/gdn_kernel.py's configuration runner (it needs a GPU to time): its variants
     reach the kernel and each recording variant is checked against the shipped kernel's bits,
@@ -141,6 +162,7 @@ def bench_case() -> int:
 
 
 if __name__ == "__main__":
-    n = (sim_cases() if 'api' not in sys.argv else 0) + api_case() + bench_case()
+    n = ((sim_cases() if 'api' not in sys.argv else 0) + api_case() + skew_case()
+         + bench_case())
     print(f"ok {n} cases")
     sys.exit(0)
