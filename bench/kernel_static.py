@@ -102,22 +102,14 @@ def _triton_bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def cuda_sass(ck) -> str:
-    """The compiled kernel's SASS (nvdisasm of its cubin)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        return subprocess.run([_triton_bin("nvdisasm"), "-c", f.name], capture_output=True,
-                              text=True, check=True).stdout
-
-
 def cuda_facts(ck) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
         usage = subprocess.run([_triton_bin("cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
-    sass = cuda_sass(ck)
+        sass = subprocess.run([_triton_bin("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if not m:
         raise RuntimeError(f"cuobjdump printed no register count: {usage[:300]!r}")

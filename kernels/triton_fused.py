@@ -78,6 +78,18 @@ _F_SLOT = tl.constexpr(FLAG_SLOT)
 _F_DONE = tl.constexpr(FLAG_DONE)
 
 
+@triton.jit
+def _step_rows(row_map, bos, n_rows, SP: tl.constexpr, HAS_ROW_MAP: tl.constexpr):
+    """This step's first `n_rows` candidate rows as a tile: offsets, mask and row indices."""
+    o_s = tl.arange(0, SP)
+    mask_s = o_s < n_rows
+    if HAS_ROW_MAP:
+        rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
+    else:
+        rows = bos + o_s
+    return o_s, mask_s, rows
+
+
 @triton.jit(do_not_specialize=["N"])
 def onepage_gdn_step_kernel(
     A_log,
@@ -291,12 +303,7 @@ def onepage_gdn_step_kernel(
         # ROWS_END: the tiles are loaded here and stored after the verify loop, so no store
         # waits on its load in the program's in-order stream. Branch-free (masks only): the
         # tiles must live past this point
-        o_s = tl.arange(0, SP)
-        mask_s = o_s < n_rows
-        if HAS_ROW_MAP:
-            rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
-        else:
-            rows = bos + o_s
+        o_s, mask_s, rows = _step_rows(row_map, bos, n_rows, SP, HAS_ROW_MAP)
         m_sv = mask_s[:, None] & mask_v[None, :]
         m_sa = mask_s[:, None] & ((o_s * 0 + i_v) == 0)[:, None]
         m_sk = m_sa & ((o_s * 0 + i_hv % (HV // H)) == 0)[:, None] & mask_k[None, :]
@@ -307,12 +314,7 @@ def onepage_gdn_step_kernel(
     if DO_RECORD and REC_ROWS and not REC_IN_VERIFY and not ROWS_END:
         # this step's rows into the other slot, as tiles off the token chain
         if T > 0:
-            o_s = tl.arange(0, SP)
-            mask_s = o_s < n_rows
-            if HAS_ROW_MAP:
-                rows = tl.load(row_map + bos + o_s, mask=mask_s, other=0).to(tl.int64)
-            else:
-                rows = bos + o_s
+            o_s, mask_s, rows = _step_rows(row_map, bos, n_rows, SP, HAS_ROW_MAP)
             p_w0 = p_w + o_s[:, None] * W
             t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :],
                           mask=mask_s[:, None] & mask_v[None, :], other=0)
@@ -576,9 +578,9 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         FLAG_VOLATILE=bool(flag_volatile),
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes
-        REPLAY_PREP=bool(replay_prep), COUNT_PROBE=int(count_probe),
-        SKEW_SPIN=int(skew_spin),
         REC_ROWS="rows" in record_parts, REC_FLAG="flag" in record_parts,
+        REPLAY_PREP=bool(replay_prep), COUNT_PROBE=int(count_probe),
+        SKEW_SPIN=int(skew_spin),  # a test knob (tests/gpu), not a variant
         # one element per thread: DEP counts one lane per warp, whatever the warp size (32 on
         # CUDA and RDNA, 64 on CDNA)
         THREADS=STOCK_NUM_WARPS * int(warp_size), WARP=int(warp_size))
