@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from r9k.capacity import FLAG_COUNT, FLAG_SLOT
-from r9k.kernels.onepage import NULL_PAGE, GdnInputs, unpack_record_rows, write_record
+from r9k.kernels.onepage import NULL_PAGE, GdnInputs, set_live, unpack_record_rows, write_record
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 _INDEX_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -156,8 +156,7 @@ class VllmCpuOps:
         t = x.k.shape[0]
         packed = torch.cat([x.k.reshape(t, -1), x.v.reshape(t, -1), x.a.reshape(t, -1),
                             x.b.reshape(t, -1)], dim=1).to(record_pool.dtype)
-        flags[:, FLAG_SLOT] = 1 - flags[:, FLAG_SLOT]
-        flags[:, FLAG_COUNT] = num_rows
+        set_live(flags, torch.full_like(flags[:, FLAG_COUNT], num_rows), 1 - flags[:, FLAG_SLOT])
         record_pool[pages, flags[:, FLAG_SLOT]] = packed.view(pages.numel(), num_rows, -1)
         flag_pool.index_copy_(0, pages.long(), flags)
 

@@ -28,8 +28,9 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
     """One verify step for N spec sequences on one-page pages; returns outputs [T, HV, V].
 
     q, k [T, HK, K]; v [T, HV, V]; a, b [T, HV]: post-conv rows (model dtype). ssm_state: vLLM's
-    [slots, HV, V, K] view (fp32 or bf16); record [slots, 2, S, W] and flag [slots, 4] int32: the
-    page's record views. state_indices [N] int32 page ids (0 = null page, skipped);
+    [slots, HV, V, K] view (fp32 or bf16); record [slots, 2, S, W] and flag [slots, words]
+    int32 (`capacity.flag_words`): the page's record views. state_indices [N] int32 page ids
+    (0 = null page, skipped);
     num_accepted [N] int32 (vLLM's counts, on the device); cu_seqlens [N + 1] int32. With a
     row_map, sequence i's rows are row_map[cu[i]:cu[i+1]] of q..b and the other output rows are 0.
     Rows of null pages come out 0 (fused) or unspecified (composed, as stock leaves them).

@@ -7,7 +7,8 @@ keeps one page per request holding
 - the checkpoint: the state after the last accepted token (the stock SSM state tensor),
 - a record: for each of the S = 1 + k candidates of the previous step, the post-conv k and v rows
   and the a and b gate inputs, in two slots (a step reads one and writes the other),
-- a flag word: [live row count, live slot, done counter (GPU kernel), spare].
+- flag words: [live row count, live slot, done counter (measured GPU protocols), spare], then
+  a (count, slot) pair per fused GPU kernel program, kept equal to the first two words.
 
 A verify step per request: replay the first `num_accepted` rows of the live record onto the
 checkpoint (store once, rounded to the state dtype as stock stores slots), run the new candidates
@@ -27,7 +28,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from r9k.capacity import FLAG_COUNT, FLAG_SLOT, record_row_elements
+from r9k.capacity import (
+    FLAG_COUNT, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, flag_words, record_row_elements)
 
 NULL_PAGE = 0  # vLLM's null block (CUDA-graph padding): never replayed nor recorded
 
@@ -45,6 +47,21 @@ class GdnHeads:
     def record_row_width(self) -> int:
         return record_row_elements(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                    self.head_v_dim)
+
+    @property
+    def flag_words(self) -> int:
+        return flag_words(self.num_v_heads, self.head_v_dim)
+
+
+def set_live(flags: torch.Tensor, count: torch.Tensor, slot: torch.Tensor) -> None:
+    """Make `count` rows of `slot` live in flag rows [n, words] (in place): the head's two words
+    and every kernel program's pair, which the fused GPU kernel reads instead of the head."""
+    count = count.to(flags.dtype)
+    slot = slot.to(flags.dtype)
+    flags[:, FLAG_COUNT] = count
+    flags[:, FLAG_SLOT] = slot
+    flags[:, FLAG_WORDS + FLAG_COUNT::FLAG_PAIR_WORDS] = count[:, None]
+    flags[:, FLAG_WORDS + FLAG_SLOT::FLAG_PAIR_WORDS] = slot[:, None]
 
 
 @dataclass
@@ -195,8 +212,9 @@ def write_record(record_pool: torch.Tensor, flag_pool: torch.Tensor, pages: torc
     record_pool[pages_l[seq_of_row][row_keep], new_slot[seq_of_row][row_keep],
                 pos_of_row[row_keep]] = packed[row_keep]
     kp = pages_l[keep]
-    flag_pool[kp, FLAG_SLOT] = new_slot[keep].to(flag_pool.dtype)
-    flag_pool[kp, FLAG_COUNT] = lens[keep].to(flag_pool.dtype)
+    flags = flag_pool[kp]
+    set_live(flags, lens[keep], new_slot[keep])
+    flag_pool[kp] = flags
 
 
 def onepage_verify_step(backend: GdnBackend, heads: GdnHeads, state_pool: torch.Tensor,

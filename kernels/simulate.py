@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
-    replay_accepted_rows, replay_into)
+    replay_accepted_rows, replay_into, set_live)
 
 
 @dataclass
@@ -65,6 +65,20 @@ def assert_replay_coverage(stats: SimStats, num_candidates: int) -> None:
         f"no full acceptance of {num_candidates} rows: {seen}"
 
 
+def recycled_flags(g: torch.Generator, num_pages: int, num_candidates: int,
+                   heads: GdnHeads) -> torch.Tensor:
+    """Flag words of recycled pages: a live-looking random head (count 1..S, slot 0 or 1) that
+    prefill or a copy must clear, repeated into every program's pair. Draws the same numbers
+    from `g` whatever the pair count, so a seed keeps its run when the page layout changes."""
+    head = torch.randint(1, num_candidates + 1, (num_pages, FLAG_WORDS), generator=g,
+                         dtype=getattr(torch, FLAG_DTYPE))
+    head[:, FLAG_SLOT] %= RECORD_SLOTS
+    flags = torch.zeros((num_pages, heads.flag_words), dtype=head.dtype)
+    flags[:, :FLAG_WORDS] = head
+    set_live(flags, head[:, FLAG_COUNT], head[:, FLAG_SLOT])
+    return flags
+
+
 def _gated_norm(o: torch.Tensor, z: torch.Tensor, gate: str) -> torch.Tensor:
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -110,9 +124,7 @@ def run_simulation(cfg: SimConfig, make_backend: Callable[[torch.Tensor, torch.T
         page_pool = torch.zeros((1 + n, *state_shape), dtype=cfg.state_dtype, device=dev)
         # recycled pages: garbage records with a live-looking flag that prefill must clear
         record_pool = rand(1 + n, RECORD_SLOTS, S, h.record_row_width)
-        flag_pool = torch.randint(1, S + 1, (1 + n, FLAG_WORDS), generator=g,
-                                  dtype=getattr(torch, FLAG_DTYPE)).to(dev)
-        flag_pool[:, FLAG_SLOT] %= RECORD_SLOTS
+        flag_pool = recycled_flags(g, 1 + n, S, h).to(dev)
         layers.append(dict(backend=backend, slot_pool=slot_pool, page_pool=page_pool,
                            record_pool=record_pool, flag_pool=flag_pool))
 
@@ -249,10 +261,7 @@ def run_align_simulation(make_backend, heads: GdnHeads, state_dtype: torch.dtype
     one = torch.zeros((pages_needed, *shape), dtype=state_dtype, device=dev)
     record = rand(pages_needed, RECORD_SLOTS, S, h.record_row_width)
     # recycled pages: live-looking garbage flags that every copy must clear at its destination
-    flag = torch.randint(1, S + 1, (pages_needed, FLAG_WORDS), generator=g,
-                         dtype=getattr(torch, FLAG_DTYPE))
-    flag[:, FLAG_SLOT] %= RECORD_SLOTS
-    flag = flag.to(dev)
+    flag = recycled_flags(g, pages_needed, S, h).to(dev)
     free = iter(range(1 + n * S, pages_needed))
 
     slot_rows = torch.stack([torch.arange(S) + 1 + i * S for i in range(n)]).to(torch.int32).to(dev)

@@ -75,7 +75,7 @@ def copy_pages(src_pages: torch.Tensor, dst_pages: torch.Tensor, *tensors: torch
 def onepage_replay_into(*, A_log, dt_bias, ssm_state, record, flag, src_pages, dst_pages,
                         num_rows, num_k_heads: int, use_qk_l2norm_in_kernel: bool = True) -> None:
     """N (src, dst, rows) pairs as int32 device tensors [N]. ssm_state [slots, HV, V, K]
-    (vLLM's GPU view), record [slots, 2, S, W], flag [slots, FLAG_WORDS]."""
+    (vLLM's GPU view), record [slots, 2, S, W], flag [slots, words]."""
     n = src_pages.numel()
     if dst_pages.numel() != n or num_rows.numel() != n:
         raise ValueError(f"src_pages, dst_pages and num_rows must have one entry per pair; got "

@@ -2,9 +2,8 @@
 
 Per program, with the state tile [BV, K] in registers:
 1. copy this step's candidate rows (post-conv k | v | a | b) into the page's other record slot,
-   as tiles off the token chain; the page's last program to count in (done counter, flag word 2)
-   sets the live count and flips the live slot, so no program reads a flag another one already
-   rewrote;
+   as tiles off the token chain; the program flips its own (count, slot) pair of the page's
+   flag words (the shipped protocol), so no program reads a flag another one rewrites;
 2. replay the first min(num_accepted, live_count) rows of the live slot onto the checkpoint,
    store it once (rounded to the state dtype) and continue from the rounded value, exactly as
    stock re-reads a stored slot;
@@ -13,11 +12,19 @@ No program waits on another, so the kernel is correct under any order the GPU di
 programs in. With `prefetch` (the default) row t + 1's inputs are loaded while row t computes;
 A_log and dt_bias are loaded once per program.
 
-Two count-in protocols ship, one per state dtype (`shipped_protocol`; H200 table:
-bench/results/gdn_kernel_h200_flashnext_final_k3.md):
-- fp32 state, fenced: the record tiles are stored, then one acq_rel add behind a barrier; its
+The shipped protocol, for every state dtype (`shipped_protocol`: `OWN_PLAIN` for fp32 state,
+`OWN_PAIRS` = own + spec + rows_end for bf16 / fp16): each program reads the live count and slot
+from its own pair of flag words and, after a barrier (every warp has used them), writes the new
+ones there; program (0, 0) also writes the head words, which host-side code reads. The pairs of
+a page stay equal because every program of a page runs every step. No atomics, no count-in: the
+count-in was most of the bf16 gap to stock at 16 sequences (gdn_kernel_h200_flashnext_count_k3.md;
+own pairs: bench/results/gdn_kernel_h200_flashnext_own_r5_k3.md).
+
+Two count-in protocols on the head words shipped before (measured variants now; H200 table:
+bench/results/gdn_kernel_h200_flashnext_final_k3.md); they write their pairs too:
+- fenced: the record tiles are stored, then one acq_rel add behind a barrier; its
   answer is checked at once and the last program flips the flag.
-- bf16 / fp16 state, dependency-ordered (`DEP_ORDERED` = late + spec + dep + rows_end): the
+- dependency-ordered (`DEP_ORDERED` = late + spec + dep + rows_end): the
   state and first rows load beside the flag read; the first lane of every warp counts in with a
   relaxed add predicated on its own flag reads (it cannot issue before they returned: no fence);
   the last lane (seen after the verify loop) flips the flag with plain stores, which issue after
@@ -66,16 +73,19 @@ import triton
 import triton.language as tl
 
 from r9k.capacity import (
-    FLAG_COUNT, FLAG_DONE, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS, record_row_elements)
+    FLAG_COUNT, FLAG_DONE, FLAG_DTYPE, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, KERNEL_V_BLOCK_MAX,
+    RECORD_SLOTS, flag_words, kernel_programs_per_page, record_row_elements)
 
 # the stock launcher's tiling and launch parameters; changing any of them changes the last bits
-STOCK_BV_MAX = 32
+STOCK_BV_MAX = KERNEL_V_BLOCK_MAX  # the capacity module sizes the flag pairs from it
 STOCK_NUM_WARPS = 4
 STOCK_NUM_STAGES = 3
 # flag word columns, as constexprs the kernel may read
 _F_COUNT = tl.constexpr(FLAG_COUNT)
 _F_SLOT = tl.constexpr(FLAG_SLOT)
 _F_DONE = tl.constexpr(FLAG_DONE)
+_F_HEAD = tl.constexpr(FLAG_WORDS)
+_F_PAIR = tl.constexpr(FLAG_PAIR_WORDS)
 
 
 @triton.jit
@@ -141,6 +151,7 @@ def onepage_gdn_step_kernel(
     REPLAY_PREP: tl.constexpr = True,
     COUNT_PROBE: tl.constexpr = 0,
     SKEW_SPIN: tl.constexpr = 0,
+    OWN: tl.constexpr = False,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -179,6 +190,8 @@ def onepage_gdn_step_kernel(
             for _ in range(SKEW_SPIN):
                 x_spin = x_spin * 0.999 + 0.001
             p_flag += (x_spin == 12345.5).to(tl.int64)
+    # this program's own (count, slot) pair: OWN reads and flips it, every protocol writes it
+    p_pair = p_flag + _F_HEAD + _F_PAIR * (i_hv * NV + i_v)
     if SPEC:
         # SPEC: everything whose address does not depend on the flag is issued beside the
         # flag read (and before the count-in's fence): the state, both record slots' first
@@ -214,8 +227,12 @@ def onepage_gdn_step_kernel(
     # DEP's order rests on these registers holding the values read before the count-in; a
     # compiler does not re-issue a global load. With `flag_volatile` (ld.volatile) the H200
     # timed bf16 N = 16 at 1.15 / 1.27 of stock, against 1.06 / 1.10 without (another run)
-    live_count = tl.load(p_flag + _F_COUNT, volatile=FLAG_VOLATILE)
-    raw_slot = tl.load(p_flag + _F_SLOT, volatile=FLAG_VOLATILE)
+    if OWN:
+        live_count = tl.load(p_pair + _F_COUNT)
+        raw_slot = tl.load(p_pair + _F_SLOT)
+    else:
+        live_count = tl.load(p_flag + _F_COUNT, volatile=FLAG_VOLATILE)
+        raw_slot = tl.load(p_flag + _F_SLOT, volatile=FLAG_VOLATILE)
     live_slot = raw_slot & 1
     n_replay = tl.minimum(tl.load(num_accepted + i_n).to(tl.int32), live_count)
     n_replay = tl.minimum(tl.maximum(n_replay, 0), S)
@@ -331,7 +348,7 @@ def onepage_gdn_step_kernel(
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
                     tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
-    if DO_RECORD and REC_FLAG and not LATE:
+    if DO_RECORD and REC_FLAG and not LATE and not OWN:
         if T > 0:
             # every warp has used the flag (record addresses) before the count goes up
             tl.debug_barrier()
@@ -491,6 +508,19 @@ def onepage_gdn_step_kernel(
         tl.store(p_flag + _F_COUNT + o_t * 0, o_t * 0 + n_rows.to(tl.int32), mask=last)
         tl.store(p_flag + _F_SLOT + o_t * 0, o_t * 0 + new_slot, mask=last)
 
+    if DO_RECORD and REC_FLAG:
+        if T > 0:
+            if OWN:
+                # every warp has used its pair reads (replay count, record addresses): then
+                # the pair flips. No other program reads it, so nothing else is waited for
+                tl.debug_barrier()
+                if (i_v == 0) & (i_hv == 0):
+                    # the head too, for host-side readers (no program reads it under OWN)
+                    tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
+                    tl.store(p_flag + _F_SLOT, new_slot)
+            tl.store(p_pair + _F_COUNT, n_rows.to(tl.int32))
+            tl.store(p_pair + _F_SLOT, new_slot)
+
 
 def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
     if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (heads_v, V, K):
@@ -506,24 +536,29 @@ def _check_layout(ssm_state, record, flag, heads_k, heads_v, K, V) -> int:
         raise ValueError(f"record pages must be contiguous inside ([{RECORD_SLOTS}, S, W] "
                          "row-major)")
     flag_dtype = getattr(torch, FLAG_DTYPE)
-    if (flag.dim() != 2 or flag.shape[1] < FLAG_WORDS or flag.dtype != flag_dtype
+    words = flag_words(heads_v, V)
+    if (flag.dim() != 2 or flag.shape[1] != words or flag.dtype != flag_dtype
             or flag.stride(1) != 1):
-        raise ValueError(f"flag must be {FLAG_DTYPE} [slots, {FLAG_WORDS}], "
-                         f"got {flag.dtype} {tuple(flag.shape)}")
+        raise ValueError(f"flag must be {FLAG_DTYPE} [slots, {words}] (a head of {FLAG_WORDS} "
+                         f"words and a pair per program: {kernel_programs_per_page(heads_v, V)} "
+                         f"programs), got {flag.dtype} {tuple(flag.shape)}")
     return int(record.shape[2])
 
 
 # The record protocol and load order shipped per state dtype: the fastest bit-identical variant
-# on the H200 for each (bench/results/gdn_kernel_h200_flashnext_final_k3.md). fp32 state keeps
-# the fenced count-in (its state stores dominate and the fenced kernel is 2-4% faster there);
-# bf16 / fp16 state, where the record's protocol was the gap to stock, count in by dependency
-FENCED = dict(late=False, spec=False, dep=False, rows_end=False)
-DEP_ORDERED = dict(late=True, spec=True, dep=True, rows_end=True)
+# on the H200 for each (bench/results/gdn_kernel_h200_flashnext_own_k3.md). Both flip their own
+# flag pairs; bf16 / fp16 state also loads the state and first rows beside the flag read and
+# stores the record tiles last (`spec`, `rows_end`), which fp32 state, whose larger state loads
+# and stores dominate, runs 1-4% faster without
+FENCED = dict(late=False, spec=False, dep=False, rows_end=False, own=False)
+DEP_ORDERED = dict(late=True, spec=True, dep=True, rows_end=True, own=False)
+OWN_PLAIN = dict(late=False, spec=False, dep=False, rows_end=False, own=True)
+OWN_PAIRS = dict(late=False, spec=True, dep=False, rows_end=True, own=True)
 
 
 def shipped_protocol(state_dtype: str) -> dict:
     """The protocol knobs `kernel_config` uses for a state dtype ("float32", "bfloat16", ...)."""
-    return dict(FENCED if state_dtype == "float32" else DEP_ORDERED)
+    return dict(OWN_PLAIN if state_dtype == "float32" else OWN_PAIRS)
 
 
 def measured(**knobs) -> dict:
@@ -537,7 +572,8 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   stages=("replay", "verify", "record"), prefetch=True, late=None,
                   rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
                   rows_end=None, dep=None, flag_volatile=False, record_parts=("rows", "flag"),
-                  hip=False, warp_size=32, replay_prep=True, count_probe=0, skew_spin=0):
+                  hip=False, warp_size=32, replay_prep=True, count_probe=0, skew_spin=0,
+                  own=None):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
     knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
@@ -550,6 +586,7 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     spec = ship["spec"] if spec is None else spec
     dep = ship["dep"] if dep is None else dep
     rows_end = ship["rows_end"] if rows_end is None else rows_end
+    own = ship["own"] if own is None else own
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
     if BK != K:
@@ -566,6 +603,9 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     if dep and not (late and spec):
         raise ValueError("dep counts in without a fence: it needs late and spec (every load "
                          "that does not need the flag issued before the count-in)")
+    if own and (late or dep):
+        raise ValueError("own reads and flips the program's own flag pair: there is no count-in "
+                         "to make late or dependency-ordered")
     if spec and int(prefetch) == 0:
         raise ValueError("spec loads the first replay row ahead: it needs prefetch 1 or 2")
     constexprs = dict(
@@ -574,7 +614,7 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         HAS_ROW_MAP=has_row_map, DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
         DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
         REC_IN_VERIFY=bool(rec_in_verify), SPEC=bool(spec),
-        ROWS_END=bool(rows_end), DEP=bool(dep),
+        ROWS_END=bool(rows_end), DEP=bool(dep), OWN=bool(own),
         FLAG_VOLATILE=bool(flag_volatile),
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes

@@ -5,7 +5,7 @@ Reproduces vLLM 0.32's own accounting (read from its source, checked against its
 speculative decoding) and for one-page pages (one page holding the checkpoint, the conv window
 and a two-slot record of last step's candidate rows):
 
-- page sizes: GDN page = conv window + SSM state (+ record + flag word for one-page); the
+- page sizes: GDN page = conv window + SSM state (+ record + flag words for one-page); the
   attention block size is raised to a multiple of the platform alignment so one attention page
   covers the GDN page, and the GDN page is padded to it (`platforms/interface.py`,
   `_align_hybrid_block_size`);
@@ -46,11 +46,17 @@ TP_SIZES = (1, 2, 4)
 PAGE_CONV, PAGE_SSM, PAGE_RECORD, PAGE_FLAG = 0, 1, 2, 3
 # Record: two slots (a step reads one, writes the other) of S = 1 + k candidate rows.
 RECORD_SLOTS = 2
-# Flag word per page: live row count, live slot (parity), the fused GPU kernel's per-page done
-# counter (0 between launches), one spare word.
+# Flag words per page: a head of FLAG_WORDS (live row count, live slot (parity), the measured
+# count-in protocols' done counter (0 between launches), one spare word), then one (count, slot)
+# pair per program of the fused GPU kernel (value head x value block): each program reads and
+# flips its own pair, so no program waits on another and none counts in. Every writer keeps
+# the pairs equal to the head.
 FLAG_WORDS = 4
 FLAG_COUNT, FLAG_SLOT, FLAG_DONE = 0, 1, 2
 FLAG_DTYPE, FLAG_WORD_BYTES = "int32", 4
+FLAG_PAIR_WORDS = 2
+# the fused kernel's value block: the stock kernel's tiling, BV = min(next power of two of V, 32)
+KERNEL_V_BLOCK_MAX = 32
 # vLLM's default for hybrid models (config/cache.py enable_prefix_caching=True; the mamba cache
 # mode follows it: align when on, none when off). The CLI assumes it unless told otherwise.
 VLLM_DEFAULT_PREFIX_CACHING = True
@@ -76,6 +82,18 @@ def record_row_elements(num_k_heads: int, num_v_heads: int, head_k_dim: int,
     """Elements per record row (per TP rank): the post-conv k and v rows plus the a and b gate
     inputs; q is not needed to rebuild the state."""
     return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
+
+
+def kernel_programs_per_page(num_v_heads: int, head_v_dim: int) -> int:
+    """Programs of the fused GPU kernel per page and step (per TP rank): value heads x value
+    blocks of min(next power of two of V, KERNEL_V_BLOCK_MAX)."""
+    block = min(1 << max(head_v_dim - 1, 0).bit_length(), KERNEL_V_BLOCK_MAX)
+    return num_v_heads * -(-head_v_dim // block)
+
+
+def flag_words(num_v_heads: int, head_v_dim: int) -> int:
+    """int32 flag words per page (per TP rank): the head and one pair per kernel program."""
+    return FLAG_WORDS + FLAG_PAIR_WORDS * kernel_programs_per_page(num_v_heads, head_v_dim)
 
 
 def onepage_extra_dtypes(model_dtype: str) -> tuple[str, str]:
@@ -274,7 +292,11 @@ class GdnPageLayout:
 
     @property
     def flag_bytes(self) -> int:
-        return FLAG_WORDS * FLAG_WORD_BYTES if self.record_rows else 0
+        return self.flag_words * FLAG_WORD_BYTES if self.record_rows else 0
+
+    @property
+    def flag_words(self) -> int:
+        return flag_words(self.num_v_heads, self.head_v_dim)
 
     @property
     def page_bytes(self) -> int:

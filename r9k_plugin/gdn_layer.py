@@ -124,7 +124,7 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     @property
     def onepage_flag(self) -> torch.Tensor:
-        """The page's flag words [slots, FLAG_WORDS]."""
+        """The page's flag words [slots, head + a pair per kernel program]."""
         return self.kv_cache[PAGE_FLAG]
 
     # --- decode paths -------------------------------------------------------------------------

@@ -23,8 +23,11 @@ def test_qwen35_27b_worked_example():
     assert p.stock.group_size == 17 and p.stock.num_gdn_groups == 3
     assert p.stock.blocks_per_request == 3 * 8 + math.ceil(24576 / 832)
     assert 223_000 < p.stock.tokens < 224_000
-    # k/v record rows: 2 slots x 8 rows x (8*128 + 24*128 + 2*24) bf16 + 16-byte flag word
-    assert p.onepage.gdn_page_bytes == 1_675_264 + 2 * 8 * (1024 + 3072 + 48) * 2 + 16
+    # k/v record rows: 2 slots x 8 rows x (8*128 + 24*128 + 2*24) bf16, then int32 flag words:
+    # a 4-word head and a (count, slot) pair per fused-kernel program (24 value heads x 4
+    # blocks of 32)
+    assert p.onepage.gdn_page_bytes == \
+        1_675_264 + 2 * 8 * (1024 + 3072 + 48) * 2 + (4 + 2 * 24 * 4) * 4
     assert p.onepage.gdn_pages_per_request == 1
     assert 1.61 <= p.ratio <= 1.65
     assert p.ratio == pytest.approx(1.618, abs=0.001)

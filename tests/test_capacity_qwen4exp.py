@@ -81,7 +81,7 @@ def test_onepage_classes_size_the_pages_their_layers_bind(monkeypatch):
         layout = cap.gdn_page_layout(shape, tp, k, onepage=True, state_dtype=ssm_dtype)
         assert bound.page_size_bytes == gdn.page_size_bytes == layout.page_bytes, where
         assert gdn.shapes[cap.PAGE_RECORD] == layout.record_shape, where
-        assert gdn.shapes[cap.PAGE_FLAG] == (cap.FLAG_WORDS,), where
+        assert gdn.shapes[cap.PAGE_FLAG] == (layout.flag_words,), where
         assert len(cls.get_mamba_state_shape_from_config(cfg)) == 4, where
         _, stock_ple = stock_cls.get_mamba_specs_from_config(cfg)
         assert ple == stock_ple and ple.tp_replicated, where
@@ -124,7 +124,7 @@ def test_flash_next_pages_and_groups():
     assert (p.stock.gdn_pages_per_request, p.onepage.gdn_pages_per_request) == (5, 2)
     assert p.stock.ple_pages_per_request == p.onepage.ple_pages_per_request == 5
     assert (p.stock.gdn_page_bytes, p.onepage.gdn_page_bytes, p.stock.ple_page_bytes) == \
-        (286720, 311568, 196608)
+        (286720, 311824, 196608)
 
 
 def test_qsa_indexer_packs_pages_and_refuses_a_ring_vllm_refuses():

@@ -107,7 +107,7 @@ def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypat
                                  state_dtype="float32")
     assert page == layout.page_bytes
     assert shapes[cap.PAGE_RECORD] == (cap.RECORD_SLOTS, 8, layout.record_row_width)
-    assert shapes[cap.PAGE_FLAG] == (cap.FLAG_WORDS,)
+    assert shapes[cap.PAGE_FLAG] == (layout.flag_words,)
     # the page's extra dtypes are the capacity module's (record: the model dtype, flag: int32)
     assert tuple(str(d).removeprefix("torch.") for d in dtypes[cap.PAGE_RECORD:]) == \
         cap.onepage_extra_dtypes(str(cfg.model_config.dtype).removeprefix("torch.")) == \

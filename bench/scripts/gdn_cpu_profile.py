@@ -46,7 +46,7 @@ def _fake_layer(heads, num_slots, num_spec, seed):
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention)
 
-    from r9k.capacity import FLAG_WORDS, RECORD_SLOTS
+    from r9k.capacity import RECORD_SLOTS
     from r9k.kernels.onepage import GdnHeads
 
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +73,7 @@ def _fake_layer(heads, num_slots, num_spec, seed):
     layer.ssm_state = torch.randn(num_slots, hv, kd, vd, generator=g) * 0.1
     layer.onepage_record = torch.zeros(num_slots, RECORD_SLOTS, 1 + num_spec,
                                        gh.record_row_width, dtype=torch.bfloat16)
-    layer.onepage_flag = torch.zeros(num_slots, FLAG_WORDS, dtype=torch.int32)
+    layer.onepage_flag = torch.zeros(num_slots, gh.flag_words, dtype=torch.int32)
     return layer
 
 

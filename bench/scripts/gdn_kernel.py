@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from r9k.capacity import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS
+from r9k.capacity import RECORD_SLOTS
 from r9k.kernels.gpu_step import clear_flags
-from r9k.kernels.onepage import GdnHeads
+from r9k.kernels.onepage import GdnHeads, set_live
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
-from r9k.kernels.triton_fused import DEP_ORDERED, measured, onepage_fused_step
+from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured, onepage_fused_step
 
 
 def onepage_fused_step_kernel():
@@ -55,9 +55,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fused-kernel variants (keyword arguments of onepage_fused_step) that --variants can time:
 # knobs on the fenced kernel (`measured`), whatever the state dtype ships
 VARIANTS = {
-    # the two shipped protocols, each on any state dtype
+    # the count-in protocols that shipped before the own pairs ("fused"), on any state dtype
     "fenced": measured(),
     "dep_ordered": measured(**DEP_ORDERED),
+    # the own-pair protocol as shipped for bf16 (`OWN_PAIRS`) and for fp32 (`OWN_PLAIN`), each
+    # on any state dtype, and with one of the bf16 one's two load-order knobs
+    "own_pairs": measured(**OWN_PAIRS),
+    "own_plain": measured(own=True),
+    "own_spec": measured(own=True, spec=True),
+    "own_rows_end": measured(own=True, rows_end=True),
+    # probe: the shipped protocol with replay rows skipping normalization and gates
+    "own_no_prep": measured(**OWN_PAIRS, replay_prep=False),
     # the dependency-ordered one with ld.volatile flag reads (measured, not shipped)
     "dep_volatile_flag": measured(**DEP_ORDERED, flag_volatile=True),
     # probes: no record at all (the floor)
@@ -220,9 +228,10 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
         pool = torch.zeros(1 + n, HV, V, K, dtype=state_dtype, device=dev)
         pool[1:] = init
         record = rnd(1 + n, RECORD_SLOTS, S, W)
-        flag = torch.zeros(1 + n, FLAG_WORDS, dtype=torch.int32, device=dev)
+        flag = torch.zeros(1 + n, heads.flag_words, dtype=torch.int32,
+                           device=dev)
         clear_flags(flag, pages)
-        flag[1:, FLAG_COUNT] = S
+        set_live(flag[1:], torch.full((n,), S), torch.zeros(n))
         return pool, record, flag
 
     fused_pools = onepage_pools()

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from r9k.capacity import FLAG_WORDS, HybridModelShape, gdn_page_layout, onepage_extra_dtypes
+from r9k.capacity import HybridModelShape, gdn_page_layout, onepage_extra_dtypes
 from r9k.policy import onepage_enabled
 
 
@@ -28,12 +28,12 @@ def _shape_from_vllm(vllm_config: Any) -> HybridModelShape:
 
 
 def record_shapes(vllm_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(record shape [2, S, W], flag shape [FLAG_WORDS]) from the capacity module's layout."""
+    """(record shape [2, S, W], flag shape [flag words]) from the capacity module's layout."""
     spec = vllm_config.speculative_config
     layout = gdn_page_layout(_shape_from_vllm(vllm_config),
                              vllm_config.parallel_config.tensor_parallel_size,
                              spec.num_speculative_tokens, onepage=True)
-    return layout.record_shape, (FLAG_WORDS,)
+    return layout.record_shape, (layout.flag_words,)
 
 
 def record_dtypes(vllm_config: Any) -> tuple[torch.dtype, torch.dtype]:

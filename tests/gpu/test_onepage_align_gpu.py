@@ -11,10 +11,10 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
+from r9k.capacity import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads, GdnInputs, onepage_verify_step  # noqa: E402
 from r9k.kernels.simulate import (  # noqa: E402
-    ALIGN_EVENTS, assert_bit_identical, run_align_simulation)
+    ALIGN_EVENTS, assert_bit_identical, recycled_flags, run_align_simulation)
 
 SHAPES = {"27b-tp2": GdnHeads(8, 24, 128, 128), "flash-next-tp4": GdnHeads(4, 8, 128, 128),
           "small": GdnHeads(2, 4, 64, 64)}
@@ -52,10 +52,7 @@ def _one_verified_step(heads, state_dtype, n, S, seed):
     slots = torch.zeros((1 + n * S, *shape), dtype=state_dtype, device=dev)
     pages = torch.zeros((1 + 2 * n, *shape), dtype=state_dtype, device=dev)
     record = rand(1 + 2 * n, RECORD_SLOTS, S, h.record_row_width)
-    flag = torch.randint(1, S + 1, (1 + 2 * n, FLAG_WORDS), generator=g,
-                         dtype=getattr(torch, FLAG_DTYPE))
-    flag[:, FLAG_SLOT] %= RECORD_SLOTS
-    flag = flag.to(dev)
+    flag = recycled_flags(g, 1 + 2 * n, S, h).to(dev)
     slot_rows = (torch.arange(S)[None, :] + 1 + torch.arange(n)[:, None] * S).to(torch.int32).to(dev)
     own = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
     init = rand(n, *shape, dtype=torch.float32, scale=0.1).to(state_dtype)

@@ -25,7 +25,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
+from r9k.capacity import FLAG_DTYPE, FLAG_SLOT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 
 DEV = "cuda"
@@ -66,7 +66,7 @@ class World:
                 ("conv", torch.bfloat16, (CONV_WIDTH, conv_dim)),
                 ("ssm", state_dtype, (h.num_v_heads, h.head_v_dim, h.head_k_dim)),
                 ("record", torch.bfloat16, (RECORD_SLOTS, S, h.record_row_width)),
-                ("flag", getattr(torch, FLAG_DTYPE), (FLAG_WORDS,))):
+                ("flag", getattr(torch, FLAG_DTYPE), (h.flag_words,))):
             off += (-off) % 16 + 8 * (name == "ssm")  # a padded, 8-byte-offset SSM base
             self.parts.append((name, off, dtype, shape))
             off += dtype.itemsize * int(torch.tensor(shape).prod())

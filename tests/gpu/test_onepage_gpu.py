@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 from r9k.capacity import FLAG_COUNT, FLAG_DONE, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.kernels.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
-from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
+from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured  # noqa: E402
 
 QWEN35_27B_TP2 = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)
 FLASH_NEXT_TP4 = GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128)
@@ -65,7 +65,12 @@ def test_no_prefetch_variant_bit_identical(shape, state, num_seqs):
 # normalization computed a row ahead, was removed: not bit-identical on sm_90 in fp32,
 # bench/results/gdn_kernel_h200_flashnext_variants_k3.md)
 MEASURED_VARIANTS = {
-    # the shipped protocols on both state dtypes (each dtype ships one of them)
+    # the shipped protocol (own flag pairs), its pieces, and the count-in protocols that
+    # shipped before it, on both state dtypes
+    "own_pairs": measured(**OWN_PAIRS),
+    "own_plain": measured(own=True),
+    "own_spec": measured(own=True, spec=True),
+    "own_rows_end": measured(own=True, rows_end=True),
     "fenced": measured(),
     "dep_ordered": measured(**DEP_ORDERED),
     "late": measured(late=True),
@@ -97,11 +102,11 @@ SKEW_SPIN = 20000
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("state", list(DTYPES))
-@pytest.mark.parametrize("protocol", ["fenced", "dep_ordered"])
+@pytest.mark.parametrize("protocol", ["own_pairs", "fenced", "dep_ordered"])
 def test_protocols_hold_when_a_program_starts_late(shape, state, protocol):
     """Each page's last program spins before it reads the flag: every other program of the
-    page has counted in (and finished) first. Both protocols must still flip only after its
-    read: bit-identical steps."""
+    page has finished first. The count-in protocols must still flip only after its read, and
+    under own pairs no other program's flip is its business: bit-identical steps."""
     st = _sim(SHAPES[shape], variant={**MEASURED_VARIANTS[protocol], "skew_spin": SKEW_SPIN},
               num_seqs=16, num_spec=3, steps=4, state_dtype=DTYPES[state], seed=21)
     assert_replay_coverage(st, num_candidates=4)
@@ -153,7 +158,8 @@ def test_step_api_sync_free_and_graph_capturable():
     def fresh():
         st = (torch.randn(n + 1, HV, V, K, generator=g) * 0.1).to(dev)
         rec = torch.randn(n + 1, RECORD_SLOTS, S, W, generator=g).bfloat16().to(dev)
-        fl = torch.randint(0, 2, (n + 1, FLAG_WORDS), generator=g, dtype=torch.int32).to(dev)
+        fl = torch.randint(0, 2, (n + 1, GdnHeads(HK, HV, K, V).flag_words), generator=g,
+                           dtype=torch.int32).to(dev)
         clear_flags(fl, pages)
         return st, rec, fl
 
@@ -180,6 +186,8 @@ def test_step_api_sync_free_and_graph_capturable():
         for a_, b_ in zip(eager, graphed):
             assert torch.equal(a_, b_), f"step {i} pools"
     assert int(eager[2][1, FLAG_COUNT]) == S and int(eager[2][1, FLAG_DONE]) == 0  # counter reset
+    # every program's pair (8 value heads x 4 blocks of 32) says what the head says
+    assert eager[2][1, FLAG_WORDS:].tolist() == eager[2][1, :2].tolist() * (HV * V // 32)
 
 
 @pytest.mark.parametrize("state", list(DTYPES))
@@ -198,7 +206,7 @@ def test_zero_length_step_replays_like_composed(state):
     pages = torch.tensor([1, 0, 2, 3, 4], dtype=torch.int32, device=dev)
     st = (torch.randn(n + 1, HV, V, K, generator=g) * 0.1).to(DTYPES[state]).to(dev)
     rec = torch.randn(n + 1, RECORD_SLOTS, S, h.record_row_width, generator=g).bfloat16().to(dev)
-    fl = torch.zeros(n + 1, FLAG_WORDS, dtype=torch.int32, device=dev)
+    fl = torch.zeros(n + 1, h.flag_words, dtype=torch.int32, device=dev)
     clear_flags(fl, pages)
     pools = {impl: (st.clone(), rec.clone(), fl.clone()) for impl in ("fused", "composed")}
     cu = (torch.arange(n + 1) * S).to(torch.int32).to(dev)

@@ -12,9 +12,9 @@ from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_g
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
 from r9k import gdn_gpu  # noqa: E402
-from r9k.capacity import FLAG_COUNT, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
+from r9k.capacity import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.gpu_step import onepage_spec_step  # noqa: E402
-from r9k.kernels.onepage import GdnHeads  # noqa: E402
+from r9k.kernels.onepage import GdnHeads, set_live  # noqa: E402
 
 Stock = stock_gdn.QwenGatedDeltaNetAttention
 STOCK_CONV = stock_gdn.causal_conv1d_update
@@ -30,9 +30,10 @@ def pools():
     g = torch.Generator().manual_seed(7)  # the same pages every call
     ssm = torch.randn(P, HV, V, K, generator=g) * 0.1
     record = torch.randn(P, RECORD_SLOTS, S, W, generator=g).bfloat16()
-    flag = torch.zeros(P, FLAG_WORDS, dtype=torch.int32)
-    flag[[1, 2, 3, 4], FLAG_COUNT] = torch.tensor([3, 2, 4, 2], dtype=torch.int32)
-    flag[[1, 2, 3, 4], FLAG_SLOT] = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    flag = torch.zeros(P, heads.flag_words, dtype=torch.int32)
+    live = flag[[1, 2, 3, 4]]
+    set_live(live, torch.tensor([3, 2, 4, 2]), torch.tensor([0, 1, 0, 1]))
+    flag[[1, 2, 3, 4]] = live
     return ssm, record, flag
 
 

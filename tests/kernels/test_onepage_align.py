@@ -13,8 +13,8 @@ steps after a copy (which read the copied pages) equal too.
 import pytest
 import torch
 
-from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_WORDS, RECORD_SLOTS
-from r9k.kernels.onepage import GdnHeads, TorchReference, replay_into
+from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, RECORD_SLOTS
+from r9k.kernels.onepage import GdnHeads, TorchReference, replay_into, set_live
 from r9k.kernels.simulate import ALIGN_EVENTS, run_align_simulation
 
 HEADS = GdnHeads(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
@@ -59,9 +59,9 @@ def test_replay_into_skips_null_pages_and_reports_rows():
     S = 4
     pool = torch.randn(5, HEADS.num_v_heads, HEADS.head_k_dim, HEADS.head_v_dim, generator=g)
     record = torch.randn(5, RECORD_SLOTS, S, HEADS.record_row_width, generator=g).bfloat16()
-    flag = torch.zeros(5, FLAG_WORDS, dtype=getattr(torch, FLAG_DTYPE))
-    flag[[1, 2, 3], FLAG_COUNT] = S
-    flag[0, FLAG_COUNT] = S  # the null page must not be touched, whatever it holds
+    flag = torch.zeros(5, HEADS.flag_words, dtype=getattr(torch, FLAG_DTYPE))
+    live = flag[:4]  # pages 1-3 and the null page, which must not be touched, whatever it holds
+    set_live(live, torch.full((4,), S), torch.zeros(4))
     before_null, before_flag0 = pool[0].clone(), flag[0].clone()
     be = TorchReference(torch.rand(HEADS.num_v_heads, generator=g),
                         torch.randn(HEADS.num_v_heads, generator=g))

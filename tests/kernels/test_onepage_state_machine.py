@@ -132,7 +132,7 @@ def test_flag_reset_and_record_slots():
     be = TorchReference(A_log, dt_bias)
     state = torch.zeros(3, 4, 16, 16)
     record = torch.zeros(3, RECORD_SLOTS, 4, heads.record_row_width, dtype=torch.bfloat16)
-    flag = torch.zeros(3, FLAG_WORDS, dtype=torch.int32)
+    flag = torch.zeros(3, heads.flag_words, dtype=torch.int32)
     pages = torch.tensor([2, NULL_PAGE], dtype=torch.int32)
     x = GdnInputs(q=torch.randn(5, 2, 16).bfloat16(), k=torch.randn(5, 2, 16).bfloat16(),
                   v=torch.randn(5, 4, 16).bfloat16(), a=torch.randn(5, 4).bfloat16(),
@@ -140,12 +140,15 @@ def test_flag_reset_and_record_slots():
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     onepage_verify_step(be, heads, state, record, flag, pages, torch.tensor([1, 1]), x, cu)
     assert flag[2, FLAG_COUNT] == 3 and flag[2, FLAG_SLOT] == 1
+    # every kernel program's pair says the same: 4 value heads x 1 block of 16
+    assert heads.flag_words == FLAG_WORDS + 2 * 4
+    assert flag[2, FLAG_WORDS:].tolist() == [3, 1] * 4
     assert torch.equal(record[2, 1, 0, : 2 * 16], x.k[0].reshape(-1))
-    assert torch.equal(flag[NULL_PAGE], torch.zeros(FLAG_WORDS, dtype=torch.int32))  # untouched
+    assert not flag[NULL_PAGE].any()  # untouched
     assert torch.equal(record[NULL_PAGE], torch.zeros_like(record[NULL_PAGE]))
     ckpt_before = state[2].clone()
     onepage_verify_step(be, heads, state, record, flag, pages, torch.tensor([2, 1]), x, cu)
     assert not torch.equal(state[2], ckpt_before)  # two recorded rows replayed onto the page
-    assert flag[2, FLAG_SLOT] == 0
+    assert flag[2, FLAG_SLOT] == 0 and flag[2, FLAG_WORDS:].tolist() == [3, 0] * 4
     clear_records(flag, torch.tensor([2, NULL_PAGE]))
     assert flag[2, FLAG_COUNT] == 0

@@ -22,9 +22,9 @@ S = 8
 
 @pytest.mark.parametrize("state_ty,variant",
                          [("fp32", measured(prefetch=0)), ("bf16", measured(prefetch=0)),
-                          # as shipped per dtype (fp32: fenced, bf16: dependency-ordered)
+                          # as shipped (own flag pairs)
                           ("fp32", {}), ("bf16", {}),
-                          # the other dtype's protocol, and measured variants (issue 16):
+                          # the count-in protocols, and measured variants (issue 16):
                           # they must build for the R9700 too
                           ("fp32", measured(**DEP_ORDERED)), ("bf16", measured()),
                           ("bf16", measured(late=True, rows_end=True)),
@@ -144,14 +144,29 @@ def _flag_compares_feeding(ptx: str, pred: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("state_ty,protocol", [("bf16", "dep"), ("fp32", "fenced")])
-def test_shipped_protocol_per_state_dtype_on_sm90(state_ty, protocol):
-    """bf16 state ships the dependency-ordered count-in: a relaxed add whose predicate is
-    computed from the warp's own flag loads (two compares of loaded values: the add cannot
-    issue before those loads returned), no fence, no barrier beside it and no acquire flip.
-    fp32 state ships the fenced one: an acq_rel add right behind a barrier."""
+@pytest.mark.parametrize("state_ty", ["bf16", "fp32"])
+def test_shipped_protocol_has_no_atomic_on_sm90(state_ty):
+    """Both state dtypes ship the own-pair protocol: no atomic, no fence; a barrier before
+    the pair's stores (every warp has used its pair reads)."""
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     ptx = fused_compiled(heads, state_ty, 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert not re.search(r"\batom\.|\bred\.global|\bfence\.|membar", ptx)
+    assert "bar.sync" in ptx
+    measured_ptx = fused_compiled(heads, state_ty, 4, measured(**DEP_ORDERED),
+                                  GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert re.search(r"\batom\.global", measured_ptx)  # the pattern finds an atomic
+
+
+@pytest.mark.parametrize("state_ty,protocol", [("bf16", "dep"), ("fp32", "fenced")])
+def test_count_in_protocols_on_sm90(state_ty, protocol):
+    """The count-in protocols that shipped before the own pairs (measured variants now). The
+    dependency-ordered count-in: a relaxed add whose predicate is computed from the warp's own
+    flag loads (two compares of loaded values: the add cannot issue before those loads
+    returned), no fence, no barrier beside it and no acquire flip. The fenced one: an acq_rel
+    add right behind a barrier."""
+    heads = GdnHeads(**_FLASH_NEXT_TP2)
+    variant = measured(**DEP_ORDERED) if protocol == "dep" else measured()
+    ptx = fused_compiled(heads, state_ty, 4, variant, GPUTarget("cuda", 90, 32)).asm["ptx"]
     atoms = re.findall(r"^\s*(?:@(%p\d+)\s+)?atom\.global\.([\w.]+)", ptx, re.M)
     assert not re.search(r"\bfence\.|membar", ptx)
     lines = ptx.splitlines()
@@ -175,5 +190,6 @@ def test_dep_count_target_follows_the_warp_size():
 
     for warp in (32, 64):
         c, _ = kernel_config(H=8, HV=16, K=128, V=128, S=4, state_page_stride=16 * 128 * 128,
-                             state_dtype="bfloat16", hip=True, warp_size=warp)
+                             state_dtype="bfloat16", hip=True, warp_size=warp,
+                             **measured(**DEP_ORDERED))
         assert c["DEP"] and c["WARP"] == warp and c["THREADS"] // c["WARP"] == 4

@@ -3,7 +3,7 @@ run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors at tiny shape
 to stock per-slot decoding over multi-step simulations (fp32 and bf16 state, k = 3 and 7, row
 maps, null pages, several layers, lockstep copies), the kernel's measured variants (prefetch
 modes, late count-in, record rows from the verify loop, loads beside the flag read, record
-tiles stored last, each state dtype under the other's protocol) and through
+tiles stored last, the count-in protocols and the own flag pairs on each state dtype) and through
 the step API with K != V, and the GPU benchmark's configuration runner (variants, bits check).
 
 The interpreter is picked when a kernel is decorated, so the cases run in a fresh process."""
@@ -23,5 +23,5 @@ def test_fused_and_composed_match_stock_under_interpreter():
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "ok 17 cases", res.stdout
-    assert res.stdout.count("sim {") == 13
+    assert res.stdout.strip().splitlines()[-1] == "ok 21 cases", res.stdout
+    assert res.stdout.count("sim {") == 17

@@ -39,9 +39,11 @@ VARIANTS = [measured(prefetch=0), measured(late=True),
             measured(prefetch=2, late=True, rec_in_verify=True),
             measured(late=True, spec=True),
             measured(prefetch=2, spec=True), measured(late=True, rows_end=True),
-            measured()]  # the fenced protocol on bf16 state (it ships for fp32)
-# the dependency-ordered protocol (shipped for bf16) on fp32 state
-CROSS = [(CASES[0], measured(**DEP_ORDERED))]
+            measured(),  # the fenced protocol
+            measured(**DEP_ORDERED),  # the dependency-ordered one
+            measured(own=True), measured(own=True, spec=True, prefetch=2)]  # own pairs
+# the count-in protocols on fp32 state
+CROSS = [(CASES[0], measured(**DEP_ORDERED)), (CASES[0], measured())]
 
 
 def sim_cases() -> int:
@@ -58,7 +60,7 @@ def sim_cases() -> int:
 
 def api_case() -> int:
     """onepage_spec_step, fused vs composed, K != V, [slots, HV, V, K] pool, null page, a
-    zero-length step; fp32 state (the fenced protocol) and bf16 (the dependency-ordered one)."""
+    zero-length step; fp32 and bf16 state."""
     for state_dtype in (torch.float32, torch.bfloat16):
         _api_case(state_dtype)
     return 2
@@ -74,7 +76,8 @@ def _api_case(state_dtype) -> None:
         g2 = torch.Generator().manual_seed(8)
         pools[impl] = ((torch.randn(n + 1, HV, V, K, generator=g2) * 0.1).to(state_dtype),
                        torch.randn(n + 1, 2, S, W, generator=g2).bfloat16(),
-                       torch.randint(0, 2, (n + 1, 4), generator=g2, dtype=torch.int32))
+                       torch.randint(0, 2, (n + 1, GdnHeads(HK, HV, K, V).flag_words),
+                                     generator=g2, dtype=torch.int32))
         clear_flags(pools[impl][2], torch.tensor([1, 2, 3, 0], dtype=torch.int32))
     pages = torch.tensor([2, 0, 3], dtype=torch.int32)
     acc = torch.ones(n, dtype=torch.int32)
@@ -123,10 +126,12 @@ def _api_case(state_dtype) -> None:
 def skew_case() -> int:
     """The GPU tests' skew knob (tests/gpu/test_onepage_gpu.py): each page's last program spins
     before it reads the flag. Here programs run one after another, so the last one always reads
-    after the rest: the shipped protocols pass with the knob on, and a flip that does not wait
-    (the no-count-in probe) is caught, as the GPU test expects of a real race."""
+    after the rest: the shipped own-pair protocol and the count-in ones pass with the knob on,
+    and a flip that does not wait (the no-count-in probe) is caught, as the GPU test expects
+    of a real race."""
     case = dict(num_seqs=2, num_spec=3, steps=3, state_dtype=torch.bfloat16, seed=7)
-    for variant in (measured(skew_spin=3), measured(**DEP_ORDERED, skew_spin=3)):
+    for variant in (dict(skew_spin=3), measured(skew_spin=3),
+                    measured(**DEP_ORDERED, skew_spin=3)):
         run_simulation(SimConfig(TINY, **case), composed_backend,
                        onepage_step=FusedStepChecked(**variant))
     try:
@@ -137,7 +142,7 @@ def skew_case() -> int:
         assert "fused step" in str(e), e
     else:
         raise AssertionError("a flip that does not wait for the late program went unseen")
-    print("skew case: both protocols hold, the no-count-in probe is caught", flush=True)
+    print("skew case: the three protocols hold, the no-count-in probe is caught", flush=True)
     return 1
 
 
@@ -152,12 +157,13 @@ def bench_case() -> int:
 
     gdn_kernel.time_graph_us = lambda fn, **kw: (fn(), 1.0)[1]
     gdn_kernel.time_host_us = lambda fn, **kw: (fn(), 1.0)[1]
-    variants = ("no_record", "fenced", "dep_ordered", "late", "p2_late_riv", "p0_late_r64")
+    variants = ("no_record", "fenced", "dep_ordered", "own_plain", "late", "p2_late_riv",
+                "p0_late_r64")
     r = gdn_kernel.bench_config(TINY, 2, torch.bfloat16, 3, 2, "cpu", False, repeats=1,
                                 variants=variants, composed=False)
     assert r["bit_identical_to_fused"] == {v: True for v in variants if v != "no_record"}, r
     assert set(variants) | {"stock", "fused"} <= set(r["time_us"]), r["time_us"]
-    print("bench case: gdn_kernel.bench_config, 6 variants, bits equal", flush=True)
+    print("bench case: gdn_kernel.bench_config, 7 variants, bits equal", flush=True)
     return 1
 
 
