@@ -152,6 +152,7 @@ def onepage_gdn_step_kernel(
     COUNT_PROBE: tl.constexpr = 0,
     SKEW_SPIN: tl.constexpr = 0,
     OWN: tl.constexpr = False,
+    OWN_BARRIER: tl.constexpr = True,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -512,8 +513,11 @@ def onepage_gdn_step_kernel(
         if T > 0:
             if OWN:
                 # every warp has used its pair reads (replay count, record addresses): then
-                # the pair flips. No other program reads it, so nothing else is waited for
-                tl.debug_barrier()
+                # the pair flips. No other program reads it, so nothing else is waited for.
+                # OWN_BARRIER=False: a timing probe (the order then rests on the loops' own
+                # reduction barriers)
+                if OWN_BARRIER:
+                    tl.debug_barrier()
                 if (i_v == 0) & (i_hv == 0):
                     # the head too, for host-side readers (no program reads it under OWN)
                     tl.store(p_flag + _F_COUNT, n_rows.to(tl.int32))
@@ -573,7 +577,7 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   rec_in_verify=False, spec=None, maxnreg=None, waves_per_eu=None,
                   rows_end=None, dep=None, flag_volatile=False, record_parts=("rows", "flag"),
                   hip=False, warp_size=32, replay_prep=True, count_probe=0, skew_spin=0,
-                  own=None):
+                  own=None, own_barrier=True):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
     knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
@@ -614,7 +618,7 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
         HAS_ROW_MAP=has_row_map, DO_REPLAY="replay" in stages, DO_VERIFY="verify" in stages,
         DO_RECORD="record" in stages, PREFETCH=int(prefetch), LATE=bool(late),
         REC_IN_VERIFY=bool(rec_in_verify), SPEC=bool(spec),
-        ROWS_END=bool(rows_end), DEP=bool(dep), OWN=bool(own),
+        ROWS_END=bool(rows_end), DEP=bool(dep), OWN=bool(own), OWN_BARRIER=bool(own_barrier),
         FLAG_VOLATILE=bool(flag_volatile),
         # probes only (a record without its rows or its flag is not a record): where the
         # record's cost goes

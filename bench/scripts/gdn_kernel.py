@@ -66,6 +66,8 @@ VARIANTS = {
     "own_rows_end": measured(own=True, rows_end=True),
     # probe: the shipped protocol with replay rows skipping normalization and gates
     "own_no_prep": measured(**OWN_PAIRS, replay_prep=False),
+    # probe: the own pairs' barrier before the flip left out
+    "own_no_barrier": measured(**OWN_PAIRS, own_barrier=False),
     # the dependency-ordered one with ld.volatile flag reads (measured, not shipped)
     "dep_volatile_flag": measured(**DEP_ORDERED, flag_volatile=True),
     # probes: no record at all (the floor)
@@ -272,7 +274,7 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     bits = {}
     ref = None
     base = onepage_pools()
-    probes = ("stages", "record_parts", "replay_prep", "count_probe")
+    probes = ("stages", "record_parts", "replay_prep", "count_probe", "own_barrier")
     for name in ["fused"] + [v_ for v_ in variants if not set(probes) & set(VARIANTS[v_])]:
         pool, record, flag = (x_.clone() for x_ in base)
         out = onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool,

@@ -19,7 +19,8 @@ from pathlib import Path
 PROBES = ("no_record", "verify_only", "replay_only", "fused_no_record", "fused_verify_only",
           "fused_replay_only", "rows_only", "flag_only", "late_rows_only", "late_flag_only",
           "dep_no_prep", "no_record_no_prep", "dep_count_w0", "dep_count_none", "dep_rows_only",
-          "dep_flag_only", "dep_w8_no_prep", "no_record_w8", "own_no_prep")
+          "dep_flag_only", "dep_w8_no_prep", "no_record_w8", "own_no_prep",
+          "own_no_barrier")
 NOT_KERNELS = ("stock", "stock_eager_host", "fused_eager_host", "composed_kernels",
                "composed_step_eager")
 
