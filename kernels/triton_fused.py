@@ -580,7 +580,8 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
                   own=None, own_barrier=True):
     """The kernel's constexprs and compile options for one launch shape and variant: one place
     for the launcher and the offline compile (bench/scripts/gdn_kernel_static.py). Protocol
-    knobs left None (`late`, `spec`, `dep`, `rows_end`) come from `shipped_protocol(state_dtype)`;
+    knobs left None (`late`, `spec`, `dep`, `rows_end`, `own`) come from
+    `shipped_protocol(state_dtype)`;
     `stages`, `prefetch` (0, 1, 2), `rec_in_verify`, `maxnreg` (CUDA), `waves_per_eu`
     (ROCm), `flag_volatile`, `record_parts`, `replay_prep` and `count_probe` (probes) select
     measured variants (see `measured`); `skew_spin` is a test knob. `warp_size`: the device's

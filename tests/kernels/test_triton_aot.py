@@ -193,3 +193,27 @@ def test_dep_count_target_follows_the_warp_size():
                              state_dtype="bfloat16", hip=True, warp_size=warp,
                              **measured(**DEP_ORDERED))
         assert c["DEP"] and c["WARP"] == warp and c["THREADS"] // c["WARP"] == 4
+
+
+@pytest.mark.parametrize("V,HV", [(128, 8), (128, 24), (64, 2), (48, 3), (16, 4), (256, 1)])
+def test_flag_pairs_cover_the_kernel_grid(V, HV):
+    """The capacity module sizes one flag pair per program of the launch grid (value heads x
+    value blocks): the layout check accepts exactly that width and names it when it is wrong."""
+    import torch
+
+    from r9k.capacity import FLAG_WORDS, flag_words, kernel_programs_per_page
+    from r9k.kernels.triton_fused import _check_layout, kernel_config
+
+    c, _ = kernel_config(H=1, HV=HV, K=32, V=V, S=4, state_page_stride=HV * V * 32,
+                         state_dtype="bfloat16")
+    grid_programs = HV * triton.cdiv(V, c["BV"])
+    assert kernel_programs_per_page(HV, V) == grid_programs
+    assert flag_words(HV, V) == FLAG_WORDS + 2 * grid_programs
+    heads = GdnHeads(num_k_heads=1, num_v_heads=HV, head_k_dim=32, head_v_dim=V)
+    state = torch.zeros(3, HV, V, 32)
+    record = torch.zeros(3, 2, 4, heads.record_row_width)
+    assert _check_layout(state, record, torch.zeros(3, heads.flag_words, dtype=torch.int32),
+                         1, HV, 32, V) == 4
+    want = rf"\[slots, {heads.flag_words}\].*{grid_programs} programs"
+    with pytest.raises(ValueError, match=want):
+        _check_layout(state, record, torch.zeros(3, FLAG_WORDS, dtype=torch.int32), 1, HV, 32, V)
