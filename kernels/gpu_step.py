@@ -55,7 +55,7 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 
 
 def clear_flags(flag: torch.Tensor, state_indices: torch.Tensor) -> None:
-    """Prefill and stock paths: forget the pages' records (the whole flag word to 0, as
+    """Prefill and stock paths: forget the pages' records (every flag word to 0, as
     `onepage.clear_records` does: a fresh page holds garbage in every field).
 
     No host synchronization (safe under CUDA graphs): null pages are redirected to the null

@@ -5,7 +5,7 @@ build the stock layer. A layer decides once, at construction, whether its engine
 pages (`r9k.policy`); when not, it is the stock layer, unchanged.
 
 What one-page changes in the layer:
-- the page: stock conv window + SSM state, plus the record and flag word (shapes from the
+- the page: stock conv window + SSM state, plus the record and flag words (shapes from the
   capacity module), and `num_speculative_blocks = 0` in its KV spec;
 - the metadata builder: one-column state indices (no silent broadcast into k+1 columns);
 - every decode path: the spec verify step replays/verifies/records; prefills clear the flag;

@@ -1,4 +1,4 @@
-"""Model classes that size the pool's GDN pages for one-page (record + flag word appended).
+"""Model classes that size the pool's GDN pages for one-page (record + flag words appended).
 
 The platform's hybrid block-size alignment sizes pages from the *model class*
 (`get_mamba_state_shape_from_config` / `_dtype_` or `get_mamba_specs_from_config`), so each

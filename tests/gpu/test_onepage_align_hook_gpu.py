@@ -25,8 +25,9 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_DTYPE, FLAG_SLOT, RECORD_SLOTS  # noqa: E402
+from r9k.capacity import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
+from r9k.kernels.simulate import recycled_flags  # noqa: E402
 
 DEV = "cuda"
 CONV_WIDTH = 3  # vLLM keeps conv_kernel_size - 1 tokens
@@ -75,9 +76,7 @@ class World:
                                   dtype=torch.uint8).to(DEV) for _ in range(positions)]
         for p in range(positions):  # sane flags: live counts 1..S in a valid slot (recycled pages)
             flag = self.view(p, "flag")
-            f = torch.randint(1, S + 1, flag.shape, generator=g, dtype=flag.dtype)
-            f[:, FLAG_SLOT] %= RECORD_SLOTS
-            flag.copy_(f.to(DEV))
+            flag.copy_(recycled_flags(g, flag.shape[0], S, h).to(DEV))
             for name in ("ssm", "record"):  # finite values: the replay computes with them
                 v = self.view(p, name)
                 v.copy_((torch.randn(v.shape, generator=g) * 0.1).to(v.dtype).to(DEV))
