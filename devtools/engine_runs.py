@@ -43,6 +43,9 @@ class EngineSpec:
     mamba_ssm_cache_dtype: str = "float32"
     scenarios: list[dict[str, Any]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # further LLM(...) keywords, e.g. on GPUs attention_backend, compilation_config,
+    # gpu_memory_utilization (the GPU engine harness, bench/scripts/gpu_engine.py)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def run(spec: EngineSpec, timeout_s: float = 900, workdir: Path | None = None) -> dict[str, Any]:
@@ -159,6 +162,21 @@ def _run_join(llm, sc) -> list[list[int]]:
     return [done[r] for r in order]
 
 
+def _engine_facts(cfg) -> dict[str, Any]:
+    """The settings vLLM resolved at start (runner, CUDA graphs, compilation, blocks)."""
+    cc = cfg.compilation_config
+    return {
+        "device_type": cfg.device_config.device_type,
+        "use_v2_model_runner": bool(getattr(cfg, "use_v2_model_runner", False)),
+        "compilation_mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode),
+        "mamba_cache_mode": str(cfg.cache_config.mamba_cache_mode),
+        "mamba_ssm_cache_dtype": str(cfg.cache_config.mamba_ssm_cache_dtype),
+        "block_size": cfg.cache_config.block_size,
+        "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        "async_scheduling": getattr(cfg.scheduler_config, "async_scheduling", None),
+    }
+
+
 def _engine_main(spec_path: str, out_path: str) -> None:
     from vllm import LLM
 
@@ -172,6 +190,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.num_spec:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec.num_spec}
+    kwargs.update(spec.engine_kwargs)
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
@@ -185,6 +204,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
 
     Path(out_path).write_text(json.dumps({
         "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
+        "engine": _engine_facts(llm.llm_engine.vllm_config),
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
         "prefix_cache": _prefix_cache_counts(llm),

@@ -17,26 +17,17 @@ Proven at kernel and step level on an H200 (tests/gpu); no vLLM GPU engine runs 
 from __future__ import annotations
 
 import functools
-import os
 import types
 
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_gdn
 
-from r9k.kernels.gpu_step import IMPLS, clear_flags, onepage_spec_step
-
-STEP_IMPL_ENV = "R9K_GDN_STEP"  # fused (default) | composed (stock kernel calls, reference)
+from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
+from r9k.policy import gdn_step_mode
 # the module-global names vLLM's _forward_core calls on the spec path
 CONV_UPDATE = "causal_conv1d_update"
 RECURRENCE = "fused_sigmoid_gating_delta_rule_update"
-
-
-def step_impl() -> str:
-    impl = os.environ.get(STEP_IMPL_ENV, "fused").strip().lower()
-    if impl not in IMPLS:
-        raise ValueError(f"{STEP_IMPL_ENV}={impl!r}: expected one of {', '.join(IMPLS)}")
-    return impl
 
 
 def bind_routed_forward_core(layer):
@@ -47,7 +38,7 @@ def bind_routed_forward_core(layer):
     """
     stock = stock_gdn.QwenGatedDeltaNetAttention._forward_core
     namespace = dict(stock.__globals__)
-    impl = step_impl()
+    impl = gdn_step_mode()
     namespace[CONV_UPDATE] = functools.partial(
         routed_conv_update, layer, stock.__globals__[CONV_UPDATE])
     namespace[RECURRENCE] = functools.partial(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
@@ -64,15 +65,19 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
                  reduce_results: bool = True) -> None:
         self.onepage = onepage_enabled(vllm_config)
+        self._vllm_config = vllm_config
         super().__init__(config, vllm_config, prefix, gqa_interleaved_layout, reduce_results)
         if not self.onepage:
             return
-        self._vllm_config = vllm_config
         self.num_candidates = 1 + self.num_spec  # S, from the configuration, never an index width
         self.onepage_heads = GdnHeads(self.num_k_heads // self.tp_size,
                                       self.num_v_heads // self.tp_size,
                                       self.head_k_dim, self.head_v_dim)
-        # Decode paths that would bypass the record: off for one-page layers.
+        # Decode paths that would bypass the record: off for one-page layers. Where vLLM chose
+        # NVIDIA's fused MTP decode ("cuda"), one-page's own step runs instead
+        # (r9k_plugin_info's gdn_spec_decode says so).
+        self.stock_gdn_decode_kernel = self.gdn_decode_kernel
+        self.gdn_decode_kernel = "r9k-onepage"  # no vLLM path keyed on "cuda" is taken
         self.enable_fused_gdn_spec_decode = False
         self.enable_packed_recurrent_decode = False
         from r9k import onepage_align
@@ -95,24 +100,29 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                                f"{current_platform.device_name}; set R9K_GDN_STATE=stock")
 
     # --- the page ---------------------------------------------------------------------------
-    def get_state_shape(self):
-        shapes = super().get_state_shape()
-        if not getattr(self, "onepage", False):
-            return shapes
-        return tuple(shapes) + record_shapes(self._vllm_config)
+    # get_state_shape/get_state_dtype keep vLLM's meaning (conv, SSM): its GDN layer unpacks
+    # two of each (the fused-decode check at construction, the prefill warm-up). The page's
+    # states, record and flag added, are what the spec sizes and bind_kv_cache views.
+    def page_state_shapes(self) -> tuple:
+        return tuple(self.get_state_shape()) + record_shapes(self._vllm_config)
 
-    def get_state_dtype(self):
-        dtypes = super().get_state_dtype()
-        if not getattr(self, "onepage", False):
-            return dtypes
-        return tuple(dtypes) + record_dtypes(self._vllm_config)
+    def page_state_dtypes(self) -> tuple:
+        return tuple(self.get_state_dtype()) + record_dtypes(self._vllm_config)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        if not self.onepage:
+            return super().bind_kv_cache(kv_cache)
+        self.kv_cache = page_state_views(kv_cache, self.page_state_shapes(),
+                                         self.page_state_dtypes())
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
         if not self.onepage or not isinstance(spec, MambaSpec):
             return spec
-        # every other field as stock built it; only the extra per-candidate pages go
-        return dataclasses.replace(spec, num_speculative_blocks=0)
+        # every other field as stock built it; the page gains the record, the extra
+        # per-candidate pages go
+        return dataclasses.replace(spec, shapes=self.page_state_shapes(),
+                                   dtypes=self.page_state_dtypes(), num_speculative_blocks=0)
 
     def get_attn_backend(self):
         return OnePageGDNAttentionBackend if self.onepage else super().get_attn_backend()
@@ -137,6 +147,18 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         from r9k.gdn_gpu import onepage_forward_core
 
         return onepage_forward_core(self, mixed_qkv, b, a, core_attn_out)
+
+
+def page_state_views(pages: torch.Tensor, shapes, dtypes) -> tuple[torch.Tensor, ...]:
+    """Per-state views of a raw [blocks, 1, 1, bytes] int8 page tensor, states packed in order,
+    as vLLM's MambaBase.bind_kv_cache slices them."""
+    raw = pages.squeeze(dim=(1, 2))
+    views, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append(raw[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
+        offset += nbytes
+    return tuple(views)
 
 
 _layer_registered = False

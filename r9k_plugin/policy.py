@@ -13,6 +13,8 @@ logger = logging.getLogger("vllm.r9k")
 
 GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
+GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
+VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
 SUPPORTED_VLLM_SERIES = "0.32."
 # Architectures whose page sizing r9k.models registers (see r9k.models.ARCHITECTURES).
 ONEPAGE_ARCHITECTURES = frozenset({
@@ -75,6 +77,46 @@ def cache_mode_reason(vllm_config: Any) -> str | None:
             "'align')")
 
 
+def gdn_step_mode() -> str:
+    """The one-page verify step on GPUs; raises ValueError naming the allowed values."""
+    from r9k.kernels.gpu_step import IMPLS
+
+    raw = os.environ.get(GDN_STEP_ENV, "fused")
+    value = raw.strip().lower()
+    if value not in IMPLS:
+        raise ValueError(f"{GDN_STEP_ENV}={raw!r}: expected one of {', '.join(IMPLS)}")
+    return value
+
+
+def cpu_triton_align_reason(vllm_config: Any) -> str | None:
+    """Prefix caching on a CPU engine where Triton runs (triton-cpu, in vLLM's CPU images):
+    vLLM launches its own Triton align copies there (the plugin's CPU ports stand in only
+    where Triton cannot run), and those copy one-page pages as stock pages."""
+    if (vllm_config.cache_config.mamba_cache_mode != "align"
+            or vllm_config.device_config.device_type != "cpu"):
+        return None
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    return ("prefix caching on a CPU engine with Triton (triton-cpu): vLLM's own Triton align "
+            "copies run there and do not replay one-page records")
+
+
+def spec_decode_path(vllm_config: Any, onepage: bool) -> str:
+    """What runs the GDN spec-decode step: vLLM's own kernels (stock pages) or the plugin's."""
+    if not onepage:
+        return "vllm"
+    if vllm_config.device_config.device_type == "cpu":
+        return "r9k-cpu"
+    path = f"r9k-{gdn_step_mode()}"
+    if os.environ.get(VLLM_DECODE_KERNEL_ENV, "cuda").strip().lower() == "cuda":
+        # one-page keeps its pages and its own step where vLLM would take NVIDIA's fused MTP
+        # decode (fused_gdn_decode_post_conv_mtp), which writes per-candidate states
+        path += f" (in place of {VLLM_DECODE_KERNEL_ENV}=cuda)"
+    return path
+
+
 def onepage_reason(vllm_config: Any) -> str | None:
     """None when one-page pages apply to this engine's GDN layers, else why not (one line)."""
     if gdn_state_mode() == "stock":
@@ -85,7 +127,7 @@ def onepage_reason(vllm_config: Any) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None or not spec.num_speculative_tokens:
         return "speculative decoding is off (one page is all stock keeps then)"
-    reason = cache_mode_reason(vllm_config)
+    reason = cache_mode_reason(vllm_config) or cpu_triton_align_reason(vllm_config)
     if reason:
         return reason
     arch = vllm_config.model_config.architecture
@@ -127,6 +169,7 @@ class PageMode:
     gdn_pages_per_request: int | None
     num_ple_groups: int | None = None         # Qwen4Exp's PLE short-conv groups (0 elsewhere)
     ple_pages_per_request: int | None = None  # per PLE group: stock's 1 + k (2 + k in align)
+    gdn_spec_decode: str = "vllm"             # vllm | r9k-fused | r9k-composed | r9k-cpu (+ note)
 
     def labels(self) -> dict[str, str]:
         return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
@@ -170,7 +213,8 @@ def page_mode(vllm_config: Any) -> PageMode:
         cache_mode=str(vllm_config.cache_config.mamba_cache_mode),
         record_layout=layout, vllm_version=vllm.__version__, num_spec=num_spec,
         num_gdn_groups=groups[0], num_attention_groups=groups[1], gdn_pages_per_request=groups[2],
-        num_ple_groups=groups[3], ple_pages_per_request=groups[4])
+        num_ple_groups=groups[3], ple_pages_per_request=groups[4],
+        gdn_spec_decode=spec_decode_path(vllm_config, onepage))
 
 
 def _explicit_state_dtype(vllm_config: Any) -> str | None:

