@@ -12,7 +12,8 @@ stock layers and other threads are unaffected and no lock is needed:
   first row first (stock resumes from block-table column 0).
 Prefill pages get their flag cleared before the stock prefill writes their checkpoint.
 
-Proven at kernel and step level on an H200 (tests/gpu); no vLLM GPU engine runs here.
+Proven at kernel and step level on an H200 (tests/gpu) and run in vLLM 0.32.0's CUDA engine there
+(bench/scripts/gpu_engine.py; bench/results/gpu_engine_h200_*.md).
 """
 from __future__ import annotations
 

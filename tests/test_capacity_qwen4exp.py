@@ -74,7 +74,7 @@ def test_onepage_classes_size_the_pages_their_layers_bind(monkeypatch):
         where = f"{cls.__name__} {heads or 'defaults'} tp={tp} k={k} state={ssm_dtype}"
         gdn, ple = cls.get_mamba_specs_from_config(cfg)
         layer = _one_page_layer(cfg, hf)
-        bound = MambaSpec(shapes=tuple(layer.get_state_shape()), dtypes=layer.get_state_dtype(),
+        bound = MambaSpec(shapes=layer.page_state_shapes(), dtypes=layer.page_state_dtypes(),
                           block_size=-1)
         assert (bound.shapes, bound.dtypes) == (gdn.shapes, gdn.dtypes), where
         shape = cap.HybridModelShape.from_config(dict(hf.to_dict(), model_type="qwen4_exp_text"))

@@ -269,6 +269,8 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ref = runs[ref_mode]
     n_req, n_tok, diffs = token_diffs(ref["tokens"], onepage["tokens"])
     _, _, default_diffs = token_diffs(stock["tokens"], onepage["tokens"])
+    # two stock engines (block sizes and pools differ): what scheduling alone changes
+    _, _, stock_stock = token_diffs(stock["tokens"], ref["tokens"])
     kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
           (("stock", stock), ("onepage", onepage))}
     both = (("stock", ref), ("onepage", onepage))
@@ -276,6 +278,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         requests=n_req, tokens=n_tok, identical_to=ref_mode, identical=not diffs,
         diffs=diffs[:12], identical_to_default_stock=not default_diffs,
         default_stock_diffs=default_diffs[:12],
+        stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
         prefix_hits={m: r["prefix_cache"]["hits"] for m, r in both},
@@ -328,7 +331,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            "Cell: runner-graphs-prefix caching-k-SSM state-model. Pairs are stock / one-page; "
            f"with prefix caching the token ids, acceptance, hits and preemptions are "
            f"`{CONTROL}`'s (stock pages at one-page's block size) and KV is vLLM's default "
-           "stock engine's; 'default stock' says whether that engine's ids equal too.", "",
+           "stock engine's; 'default stock' says whether that engine's ids equal too, and how "
+           "many requests differ between the two stock engines (scheduling alone).", "",
            "| cell | requests | tokens | identical | default stock | acceptance hist "
            "(stock = one-page) | prefix hits | preemptions | KV tokens engine = planner | "
            "block (stock / one-page / stock-blk) | cudagraph | GPU s | ok |",
@@ -347,8 +351,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         blk = " / ".join(str(v) for v in r["block_size"].values()) if r["prefix_caching"] \
             else pair(r["block_size"])
         dflt = "" if not r["prefix_caching"] else (
-            "yes" if r["identical_to_default_stock"] else
-            "no: " + ", ".join(r["default_stock_diffs"][:3]))
+            ("yes" if r["identical_to_default_stock"] else
+             f"{len(r['default_stock_diffs'])} differ")
+            + f"; stock vs stock-blk: {len(r.get('stock_vs_stock_blk_diffs') or [])} differ")
         out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
                    f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
                    f"{h}{'' if r['acceptance_varies'] else ' (not varied)'} | "

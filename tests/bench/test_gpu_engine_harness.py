@@ -125,7 +125,7 @@ def test_summary_names_a_cell_with_a_missing_engine(ge):
     rows = ge.summarize(runs[:2])
     assert not rows[0]["ok"] and "only ['onepage', 'stock'] ran" in rows[0]["error"]
     md = ge.markdown(ge.summarize(runs), {"command": "x"})
-    assert "| v2-eager-pcon-k3-fp32-tiny | 3 | 8 | yes | yes | [10, 4, 2, 3] |" in md
+    assert "| v2-eager-pcon-k3-fp32-tiny | 3 | 8 | yes | yes; stock vs stock-blk: 0 differ | [10, 4, 2, 3] |" in md
     assert "1 of 1 cells ok." in md
 
 
