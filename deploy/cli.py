@@ -23,15 +23,9 @@ RUN_DIR_HELP = "controller file and logs [env R9K_FLEET_RUN_DIR; default ~/.loca
 
 
 def _load(config: str):
-    from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet
+    from r9k.deploy.config import FleetConfigError, load_fleet
     from r9k.deploy.placement import check_fits, unusable_cards
 
-    try:
-        cfg = parse_fleet(Path(config).read_text(), config, Path(config).resolve().parent)
-    except FileNotFoundError:
-        raise BadInput(f"{config}: fleet file not found (expected YAML, see deploy/README.md)") from None
-    except FleetConfigError as exc:
-        raise BadInput(str(exc)) from None
     try:
         cfg = load_fleet(config)
         if cfg.hosts:  # the inventory is in the file: refuse what cannot fit before Ray starts

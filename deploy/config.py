@@ -16,7 +16,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       field_validator, model_validator)
 
 from r9k import capacity
-from r9k.config_errors import DuplicateKeyError, load_yaml_strict, validation_message
+from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
+                                validation_message)
 from r9k.http_client import is_loopback
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
@@ -249,7 +250,7 @@ def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None =
     """Schema and self-consistency only (no filesystem or cluster)."""
     try:
         data = load_yaml_strict(text)
-    except DuplicateKeyError as exc:
+    except YamlKeyError as exc:
         raise FleetConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise FleetConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
@@ -329,9 +330,15 @@ def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
 def load_fleet(path: str | os.PathLike) -> FleetConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = decode_config_text(path.read_bytes(), path)
     except FileNotFoundError:
         raise FleetConfigError(f"{path}: fleet file not found (expected YAML, see deploy/README.md)") from None
+    except IsADirectoryError:
+        raise FleetConfigError(f"{path}: is a directory; expected a fleet file (YAML)") from None
+    except OSError as exc:
+        raise FleetConfigError(f"{path}: cannot read the fleet file: {exc.strerror}") from None
+    except ValueError as exc:
+        raise FleetConfigError(str(exc)) from None
     cfg = parse_fleet(text, str(path), base_dir=path.resolve().parent)
     check_model_paths(cfg, str(path))
     return cfg

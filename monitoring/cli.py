@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from r9k.errors import BadInput
+from r9k.errors import BadInput, FiniteFloat
 from r9k.ops.config import DEFAULT_CONFIG_PATH
 from r9k.ops.state import DEFAULT_STATE_DIR
 
@@ -38,9 +38,9 @@ DEFAULT_PORT = 9700
               help='JSON file of replicas in the fleet status format {"replicas": [...]}.')
 @click.option("--fleet", "fleet_url", metavar="URL",
               help="Fleet status URL returning {\"replicas\": [...]} (replica list and states).")
-@click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(0, 300, min_open=True), default=2.0, show_default=True,
               help="Seconds to wait for one replica or the fleet status.")
-@click.option("--replica-budget", "replica_budget_s", type=float, default=5.0, show_default=True,
+@click.option("--replica-budget", "replica_budget_s", type=FiniteFloat(0, 300, min_open=True), default=5.0, show_default=True,
               help="Seconds for the whole replica phase of a scrape (fleet status and every replica); "
                    "replicas unanswered by then read r9k_replica_up 0. Keep it under the scrape_timeout.")
 @click.option("--cards/--no-cards", default=True, show_default=True,

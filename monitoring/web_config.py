@@ -29,7 +29,7 @@ import yaml
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from r9k.config_errors import DuplicateKeyError, load_yaml_strict, validation_message
+from r9k.config_errors import YamlKeyError, load_yaml_strict, validation_message
 
 CONNECTION_TIMEOUT_S = 10.0  # a client that connects and says nothing holds one thread this long
 
@@ -61,7 +61,7 @@ def load_web_config(path: str | os.PathLike) -> tuple[WebConfig, ssl.SSLContext 
         data = load_yaml_strict(path.read_text())
     except OSError as exc:
         raise WebConfigError(f"{path}: cannot read the web config file ({exc.strerror})") from None
-    except DuplicateKeyError as exc:
+    except YamlKeyError as exc:
         raise WebConfigError(f"{path}: {exc}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise WebConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from r9k.errors import BadInput
+from r9k.errors import BadInput, FiniteFloat
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
@@ -145,9 +145,9 @@ def _exit_for(statuses, presence=None) -> None:
 @_STATE_OPT
 @click.option("--backend", type=click.Choice(["auto", "lact", "sysfs"]), default=None,
               help="Override the config's backend.")
-@click.option("--wait-seconds", type=float, default=30.0, show_default=True,
+@click.option("--wait-seconds", type=FiniteFloat(0, 3600), default=30.0, show_default=True,
               help="Retry this long while a card is in reset, suspended, or its hwmon is not there yet.")
-@click.option("--settle-seconds", type=float, default=2.0, show_default=True,
+@click.option("--settle-seconds", type=FiniteFloat(0, 600), default=2.0, show_default=True,
               help="How long a read-back may take to show the written value.")
 @_JSON_OPT
 def apply_cmd(config_path, host_root, state_dir, backend, wait_seconds, settle_seconds, as_json) -> None:
@@ -196,10 +196,10 @@ def status_cmd(config_path, host_root, state_dir, as_json) -> None:
 @_CONFIG_OPT
 @_ROOT_OPT
 @_STATE_OPT
-@click.option("--interval", type=click.FloatRange(min=0.01), required=True, help="Seconds between rounds.")
+@click.option("--interval", type=FiniteFloat(min=0.01, max=86400), required=True, help="Seconds between rounds.")
 @click.option("--count", type=click.IntRange(min=1), default=None, help="Stop after this many rounds.")
 @click.option("--backend", type=click.Choice(["auto", "lact", "sysfs"]), default=None)
-@click.option("--settle-seconds", type=float, default=2.0, show_default=True)
+@click.option("--settle-seconds", type=FiniteFloat(0, 600), default=2.0, show_default=True)
 @_JSON_OPT
 def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, settle_seconds, as_json) -> None:
     """Re-verify every INTERVAL seconds; re-apply on drift and after a reset event."""
@@ -243,7 +243,7 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
 @click.option("--once", is_flag=True, help="Read what is there, print the classified events, exit.")
 @click.option("--record/--no-record", default=None,
               help="Count events into the state dir and run containment (default: on, off with --once).")
-@click.option("--interval", type=click.FloatRange(min=0.01, max=3600), default=0.5, show_default=True,
+@click.option("--interval", type=FiniteFloat(min=0.01, max=3600), default=0.5, show_default=True,
               help="Poll interval in seconds when following (0.01-3600).")
 @_JSON_OPT
 def watch_cmd(config_path, host_root, state_dir, source, once, record, interval, as_json) -> None:
@@ -251,8 +251,6 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
     from r9k.ops.sysfs import recovery_status
     from r9k.ops.watch import SourceError, Watcher, open_source, print_event, print_hook
 
-    if interval != interval:  # NaN passes FloatRange's comparisons
-        raise BadInput("--interval nan: expected seconds between 0.01 and 3600")
     record = (not once) if record is None else record
     config = _load(config_path) if (record or os.path.exists(config_path)) else OpsConfig()
     if record:
@@ -364,7 +362,7 @@ def health_cmd(state_dir: str, as_json: bool) -> None:
 @click.option("--r9k-bin", default=None, help="Absolute path of the r9k executable (default: this one).")
 @_CONFIG_OPT
 @_STATE_OPT
-@click.option("--interval", type=click.FloatRange(min=1), default=60, show_default=True,
+@click.option("--interval", type=FiniteFloat(min=1, max=86400), default=60, show_default=True,
               help="Reconcile interval in seconds.")
 def install_units_cmd(dest, r9k_bin, config_path, state_dir, interval) -> None:
     """Write the boot-apply, reconcile and watch systemd units (then: systemctl daemon-reload, enable)."""

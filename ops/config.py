@@ -15,7 +15,8 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
-from r9k.config_errors import DuplicateKeyError, load_yaml_strict, validation_message
+from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
+                                validation_message)
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
 
 DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
@@ -136,7 +137,7 @@ def _allowed_fields(loc: tuple) -> list[str]:
 def parse_config(text: str, source: str = "<config>") -> OpsConfig:
     try:
         data = load_yaml_strict(text)
-    except DuplicateKeyError as exc:
+    except YamlKeyError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
@@ -161,10 +162,9 @@ def load_config(path: str | os.PathLike) -> OpsConfig:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                          "expected a UTF-8 YAML file") from None
+        text = decode_config_text(raw, path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     config = parse_config(text, str(path))
     if config.hooks:
         # Hooks run as root: a file anyone but root can edit is a privilege escalation.

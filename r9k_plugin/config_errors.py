@@ -61,13 +61,26 @@ def validation_message(exc: ValidationError, source: str, *, limit: int | None =
     return f"{source}: " + "; ".join(lines[:limit])
 
 
-class DuplicateKeyError(ValueError):
+class YamlKeyError(ValueError):
+    """A mapping key a config file cannot mean: given twice, or not a plain scalar."""
+
+
+class DuplicateKeyError(YamlKeyError):
     """A mapping in a YAML file names one key twice (PyYAML would keep the last silently)."""
+
+
+def decode_config_text(raw: bytes, path) -> str:
+    """A config file's bytes as text; ValueError naming the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                         f"{exc.start}); expected a UTF-8 YAML file") from None
 
 
 def load_yaml_strict(text: str):
     """yaml.safe_load, except that a key given twice in one mapping raises DuplicateKeyError
-    naming the key and its line: in a config file the second value silently winning hides a
+    naming the key and its line (a list or mapping as a key: YamlKeyError): in a config file the second value silently winning hides a
     mistake (two power caps for one card, two passwords for one user)."""
     import yaml
 
@@ -77,6 +90,9 @@ def load_yaml_strict(text: str):
     def mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):  # `? [a, b]`: unhashable or meaningless
+                raise YamlKeyError(f"a {key_node.id} used as a key (line "
+                                   f"{key_node.start_mark.line + 1}); expected a plain name")
             key = loader.construct_object(key_node, deep=True)
             if key in seen:
                 raise DuplicateKeyError(f"duplicate key {key!r} (line "
