@@ -152,14 +152,14 @@ def _exit_for(statuses, presence=None) -> None:
 @_JSON_OPT
 def apply_cmd(config_path, host_root, state_dir, backend, wait_seconds, settle_seconds, as_json) -> None:
     """Apply the wanted cap and offset to every card, then verify from sysfs (exit 1 on drift)."""
-    from r9k.ops.power import BackendError, PlanError, apply_power
+    from r9k.ops.power import BackendError, apply_power
 
     config = _load(config_path)
     _check_root(host_root)
     _check_state_dir(state_dir)
     try:
         report = apply_power(config, host_root, state_dir, backend, wait_seconds, settle_seconds)
-    except (PlanError, BackendError) as exc:
+    except BackendError as exc:
         raise BadInput(f"{exc}; nothing was changed") from None
     _print_statuses(report.cards, as_json, {"backend": f"{report.backend} ({report.backend_reason})",
                                             "recovery": report.recovery.to_json()}, report.presence)
@@ -203,7 +203,7 @@ def status_cmd(config_path, host_root, state_dir, as_json) -> None:
 @_JSON_OPT
 def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, settle_seconds, as_json) -> None:
     """Re-verify every INTERVAL seconds; re-apply on drift and after a reset event."""
-    from r9k.ops.power import BackendError, PlanError, ReconcileState, presence_of, reconcile_once
+    from r9k.ops.power import BackendError, ReconcileState, presence_of, reconcile_once
 
     config = _load(config_path)
     _check_root(host_root)
@@ -215,7 +215,7 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
     while not stop.is_set():
         try:
             last, redone = reconcile_once(config, host_root, state_dir, memory, backend, settle_seconds)
-        except (PlanError, BackendError) as exc:
+        except BackendError as exc:
             raise BadInput(f"{exc}; nothing was changed") from None
         rounds += 1
         presence = presence_of(config, last)

@@ -17,10 +17,6 @@ from r9k.ops.state import CardPresence, StateFileError, card_presence, read_card
 from r9k.ops.sysfs import Card, NotReady
 
 
-class PlanError(ValueError):
-    """The wanted settings are not valid for the cards on this host; nothing was written."""
-
-
 class BackendError(ValueError):
     """The chosen backend cannot be used (LACT socket absent or answering errors); nothing written."""
 
@@ -81,19 +77,23 @@ def _missing_status(config: OpsConfig, bdf: str) -> "CardStatus":
                       None, None, drift=["card not found on this host"])
 
 
-def plan_card(config: OpsConfig, card: Card) -> CardPlan:
-    """Wanted settings for one card, refused unless the card declares them valid."""
+def plan_card(config: OpsConfig, card: Card) -> tuple[CardPlan, list[str]]:
+    """Wanted settings for one card: each setting the card declares valid, and a problem (naming
+    the card and its declared range) for each it does not. Nothing outside a declared range is
+    ever planned, so never written."""
     wanted = config.wanted(card.bdf)
     cap, offset = wanted.power_cap_watts, wanted.voltage_offset_mv
     problems = []
     if cap is not None:
         if card.cap_min_watts is None or card.cap_max_watts is None:
             problems.append(f"{card.bdf}: the card declares no power cap range (power1_cap_min/max unreadable)")
+            cap = None
         elif not card.cap_min_watts <= cap <= card.cap_max_watts:
             problems.append(
                 f"{card.bdf}: power_cap_watts {cap} is outside the card's range "
                 f"{card.cap_min_watts:g}-{card.cap_max_watts:g} W"
             )
+            cap = None
     if offset is not None:
         rng = card.offset_range_mv
         if rng is None:
@@ -101,13 +101,13 @@ def plan_card(config: OpsConfig, card: Card) -> CardPlan:
                 f"{card.bdf}: voltage_offset_mv {offset} asked but the card declares no VDDGFX_OFFSET range "
                 "(overdrive off? amdgpu.ppfeaturemask needs bit 0x4000)"
             )
+            offset = None
         elif not rng[0] <= offset <= rng[1]:
             problems.append(
                 f"{card.bdf}: voltage_offset_mv {offset} is outside the card's range {rng[0]}..{rng[1]} mV"
             )
-    if problems:
-        raise PlanError("; ".join(problems))
-    return CardPlan(card.bdf, cap, offset)
+            offset = None
+    return CardPlan(card.bdf, cap, offset), problems
 
 
 def _matches(card: Card, plan: CardPlan) -> list[str]:
@@ -325,7 +325,8 @@ def apply_power(
 ) -> ApplyReport:
     """Apply the wanted settings to every managed card (or ``only`` those), then verify from sysfs.
 
-    Raises PlanError/BackendError before writing anything when the input is bad.
+    Raises BackendError before writing anything when the backend cannot be used; a setting a
+    card does not declare valid is that card's drift ("refused: ..."), not an error for all.
     """
     deadline = time.monotonic() + wait_s
     cards = sysfs.discover_cards(host_root)
@@ -348,19 +349,18 @@ def apply_power(
             ready[card.bdf] = retry_not_ready(lambda c=card: _checked(c), deadline)
         except NotReady as exc:
             not_ready[card.bdf] = str(exc)
+    # A setting a card does not declare valid is refused for that card alone (reported as its
+    # drift); every other card, and that card's valid settings, are still applied.
     plans: dict[str, CardPlan] = {}
-    problems = []
+    refused: dict[str, list[str]] = {}
     for bdf, card in ready.items():
-        try:
-            plans[bdf] = plan_card(config, card)
-        except PlanError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise PlanError("; ".join(problems))
+        plans[bdf], refused[bdf] = plan_card(config, card)
 
     actions: dict[str, list[str]] = {bdf: [] for bdf in plans}
     errors: dict[str, str] = {**not_ready, **unlisted}
     for bdf, plan in plans.items():
+        if plan.cap_watts is None and plan.offset_mv is None:
+            continue
         try:
             if backend.name == "lact":
                 _apply_lact(backend, ready[bdf], plan, settle_s, actions[bdf])
@@ -379,6 +379,7 @@ def apply_power(
             drift = [f"fenced (not touched): {fenced[card.bdf]}"]
         if card.bdf in errors:
             drift = [f"not applied: {errors[card.bdf]}"] + drift
+        drift = [f"refused: {why}" for why in refused.get(card.bdf, [])] + drift
         statuses.append(CardStatus(
             bdf=card.bdf, card=card.card_name, is_r9700=card.is_r9700, managed=True,
             wanted_cap_watts=plan.cap_watts, actual_cap_watts=fresh.cap_watts,
