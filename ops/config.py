@@ -167,15 +167,18 @@ def load_config(path: str | os.PathLike) -> OpsConfig:
         raise ConfigError(str(exc)) from None
     config = parse_config(text, str(path))
     if config.hooks:
-        # Hooks run as root: a file anyone but root can edit is a privilege escalation.
+        # Hooks run as root: a config anyone but root can edit or replace is a privilege escalation.
         if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise ConfigError(
                 f"{path}: defines hooks but is writable by someone other than root "
                 f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); expected root-owned, "
                 "not group/world-writable"
             )
+        problem = _replaceable_dirs(path, f"{path}: defines hooks but its")
+        if problem:
+            raise ConfigError(problem)
         for argv in config.hook_argvs():
-            problem = hook_problem(argv[0])
+            problem = hook_problem(argv)
             if problem:
                 raise ConfigError(f"{path}: {problem}")
     return config
@@ -185,36 +188,73 @@ def _writable_by_others(st: os.stat_result) -> bool:
     return st.st_uid != 0 or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def hook_problem(command: str) -> str | None:
-    """Why a hook must not run as root, or None. The executable and every directory above it (as
-    written and resolved) must be root-owned and writable only by root; a sticky directory such as
-    /tmp is fine (others cannot replace what root owns there)."""
-    found = command if os.path.isabs(command) else shutil.which(command)
-    if found is None:
-        return f"hook {command}: not found (expected an absolute path or a command on PATH)"
-    paths = [Path(found)]
-    real = Path(os.path.realpath(found))
-    if real != paths[0]:
-        paths.append(real)
+def _replaceable(path: Path, label: str) -> str | None:
+    """Why someone other than root could change or replace ``path``, or None: the file and every
+    directory above it (as written and resolved) root-owned and writable only by root; a
+    root-owned sticky directory such as /tmp is fine (others cannot replace what root owns)."""
+    real = Path(os.path.realpath(path))
     try:
         st = os.stat(real)
     except OSError as exc:
-        return f"hook {command}: {found} not found ({exc.strerror})"
-    if not stat.S_ISREG(st.st_mode) or not os.access(real, os.X_OK):
-        return f"hook {command}: {real} is not an executable file"
+        return f"{label} {real} is not there ({exc.strerror})"
     if _writable_by_others(st):
-        return (f"hook {command}: {real} is writable by group or others or not root-owned (owner uid {st.st_uid}, "
+        return (f"{label} {real} is writable by group or others or not root-owned (owner uid {st.st_uid}, "
                 f"mode {stat.filemode(st.st_mode)}); expected root-owned, writable only by root")
-    for path in paths:
-        for directory in path.parents:
+    return _replaceable_dirs(path, label)
+
+
+def _replaceable_dirs(path: Path, label: str) -> str | None:
+    """The directories above ``path`` (as written and resolved) that someone other than root could
+    use to replace it, as a reason, or None."""
+    paths = [path]
+    real = Path(os.path.realpath(path))
+    if real != path:
+        paths.append(real)
+    for p in paths:
+        for directory in p.absolute().parents:
             try:
                 dst = os.stat(directory)
             except OSError as exc:
-                return f"hook {command}: directory {directory}: {exc.strerror}"
+                return f"{label} directory {directory}: {exc.strerror}"
             if dst.st_mode & stat.S_ISVTX and dst.st_uid == 0:
                 continue
             if _writable_by_others(dst):
-                return (f"hook {command}: directory {directory} is writable by group or others or not root-owned "
-                        f"(owner uid {dst.st_uid}, mode {stat.filemode(dst.st_mode)}); anyone who can write it "
-                        "can replace the hook")
+                return (f"{label} directory {directory} is writable by group or others or not root-owned "
+                        f"(owner uid {dst.st_uid}, mode {stat.filemode(dst.st_mode)}); anyone who can write "
+                        f"it can replace {p.name}")
+    return None
+
+
+def _names_a_path(arg: str) -> bool:
+    """A hook argument the hook may read as a file (a script for an interpreter, a config): one
+    that exists, or looks like a path (a '/', no blanks, not an option)."""
+    return os.path.lexists(arg) or ("/" in arg and not any(c.isspace() for c in arg)
+                                    and not arg.startswith("-"))
+
+
+def hook_problem(argv: list[str]) -> str | None:
+    """Why a hook must not run as root, or None: its executable and every argument that names a
+    path (`[/bin/sh, dir/hook.sh]`, `"python3 dir/hook.py"`) must be root-owned files in
+    directories only root can write (`_replaceable`)."""
+    command = argv[0]
+    found = command if os.path.isabs(command) else shutil.which(command)
+    if found is None:
+        return f"hook {command}: not found (expected an absolute path or a command on PATH)"
+    real = Path(os.path.realpath(found))
+    if not real.exists():
+        return f"hook {command}: {found} not found"
+    if not real.is_file() or not os.access(real, os.X_OK):
+        return f"hook {command}: {real} is not an executable file"
+    problem = _replaceable(Path(found), f"hook {command}:")
+    if problem:
+        return problem
+    for arg in argv[1:]:
+        if not _names_a_path(arg):
+            continue
+        if not os.path.lexists(arg):
+            return (f"hook {command}: argument {arg} is not there (a path a hook reads must exist, "
+                    "root-owned, when the config is loaded)")
+        problem = _replaceable(Path(arg), f"hook {command}: argument")
+        if problem:
+            return problem
     return None

@@ -388,7 +388,7 @@ def run_hooks(hooks: list[list[str]], event: KernelEvent, timeout_s: float = 60.
     runs = []
     for argv in hooks:
         started = time.monotonic()
-        problem = hook_problem(argv[0])  # checked again now: the file may have changed since load
+        problem = hook_problem(argv)  # checked again now: the files may have changed since load
         if problem:
             runs.append(HookRun(argv, None, f"not run: {problem}", event.bdf, event.type, 0.0))
             continue

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 from click.testing import CliRunner
 
 from doubles.ops_host import CardSpec, FakeKernel, build_host_tree, read_cap_watts, read_od_offset_mv
 from r9k.cli import main
+from r9k.ops.config import ConfigError, load_config
 
 A, B = "0000:03:00.0", "0000:04:00.0"
 CONFIG = "backend: sysfs\ndefaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n"
@@ -36,3 +39,55 @@ def test_item1_one_odd_card_does_not_stop_reconcile_repairing_the_others(tmp_pat
     assert "refused: 0000:04:00.0: power_cap_watts 210 is outside the card's range 250-350 W" in \
         last[B]["drift"]
     assert (read_cap_watts(host, B), read_od_offset_mv(host, B)) == (300.0, -42)
+
+
+def _script(path, mode=0o755):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    os.chmod(path, mode)
+    return path
+
+
+def _config(path, text, mode=0o644):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hook checks need root-owned files")
+def test_item2_hook_arguments_and_the_config_directory_are_checked_too(tmp_path):
+    """A 0666 script in a 0777 directory handed to /bin/sh or python3 (list or string form), or
+    a config in a 0777 directory: refused at load (exit 2), so never run as root."""
+    safe_dir = tmp_path / "safe"
+    ok_script = _script(safe_dir / "hook.sh")
+    good = _config(safe_dir / "ops.yaml", f"hooks: [[/bin/sh, {ok_script}], 'python3 {ok_script}']\n")
+    assert load_config(good).hook_argvs()[0] == ["/bin/sh", str(ok_script)]
+
+    open_dir = tmp_path / "open"
+    script = _script(open_dir / "hook.sh", 0o666)
+    os.chmod(open_dir, 0o777)
+    for hooks in (f"[[/bin/sh, {script}]]", f"['python3 {script}']"):
+        cfg = _config(safe_dir / "bad.yaml", f"hooks: {hooks}\n")
+        with pytest.raises(ConfigError, match=r"argument .*hook.sh is writable by group or others"):
+            load_config(cfg)
+        result = CliRunner().invoke(main, ["ops", "check-config", "--config", str(cfg)])
+        assert result.exit_code == 2 and "hook.sh" in result.output
+    os.chmod(script, 0o644)  # the script is safe now, its directory is not
+    with pytest.raises(ConfigError, match=r"argument directory .*open is writable by group or others"):
+        load_config(_config(safe_dir / "bad.yaml", f"hooks: [[/bin/sh, {script}]]\n"))
+    with pytest.raises(ConfigError, match=r"argument .*absent.sh is not there"):
+        load_config(_config(safe_dir / "bad.yaml", f"hooks: [[/bin/sh, {safe_dir / 'absent.sh'}]]\n"))
+
+    in_open_dir = _config(open_dir / "ops.yaml", f"hooks: [{ok_script}]\n")
+    with pytest.raises(ConfigError, match=r"defines hooks but its directory .*open is writable"):
+        load_config(in_open_dir)
+    # a watcher re-checks before each run: a script made writable after load is not run
+    from r9k.ops.kernlog import KernelEvent
+    from r9k.ops.watch import run_hooks
+
+    os.chmod(script, 0o666)
+    event = KernelEvent(type="mes_timeout", bdf=A, message="MES failed", stream="file", ordinal=1,
+                        attribution="prefix")
+    runs = run_hooks([["/bin/sh", str(script)]], event, timeout_s=5)
+    assert runs[0].returncode is None and "not run" in runs[0].error and "hook.sh" in runs[0].error
