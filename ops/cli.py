@@ -16,7 +16,7 @@ import click
 
 from r9k.errors import BadInput, FiniteFloat
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
-from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
+from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR, write_probe
 
 _CONFIG_OPT = click.option("--config", "config_path", default=DEFAULT_CONFIG_PATH, show_default=True,
                            envvar="R9K_OPS_CONFIG", help="Ops YAML config.")
@@ -33,7 +33,7 @@ class CheckFailed(click.ClickException):
     exit_code = 1
 
 
-def _check_state_dir(state_dir: str, must_exist: bool = False) -> None:
+def _check_state_dir(state_dir: str, must_exist: bool = False, writable: bool = False) -> None:
     path = Path(state_dir)
     for part in (path, path / "cards"):
         if part.exists() and not part.is_dir():
@@ -41,6 +41,13 @@ def _check_state_dir(state_dir: str, must_exist: bool = False) -> None:
     if must_exist and not path.is_dir():
         raise BadInput(f"--state-dir {state_dir}: no ops state there (expected the directory the watcher "
                        "writes, default /var/lib/r9k/ops)")
+    if writable:
+        # Commands that record (faults, power checks, clears) find out now, not at the first fault.
+        try:
+            write_probe(path)
+        except OSError as exc:
+            raise BadInput(f"--state-dir {state_dir}: cannot write there ({exc.strerror}); expected a "
+                           "directory this user can write (fences and fault counts are kept there)") from None
 
 
 def _report_presence(presence, as_json: bool) -> bool:
@@ -132,6 +139,9 @@ def _print_statuses(statuses, as_json: bool, extra: dict | None = None, presence
                    f"{state}{health}")
         for action in s.actions:
             click.echo(f"    {action}")
+        for error in s.errors:
+            if "not saved" in error:
+                click.echo(f"    warning: {error}", err=True)
 
 
 def _exit_for(statuses, presence=None) -> None:
@@ -156,7 +166,7 @@ def apply_cmd(config_path, host_root, state_dir, backend, wait_seconds, settle_s
 
     config = _load(config_path)
     _check_root(host_root)
-    _check_state_dir(state_dir)
+    _check_state_dir(state_dir, writable=True)
     try:
         report = apply_power(config, host_root, state_dir, backend, wait_seconds, settle_seconds)
     except BackendError as exc:
@@ -207,7 +217,7 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
 
     config = _load(config_path)
     _check_root(host_root)
-    _check_state_dir(state_dir)
+    _check_state_dir(state_dir, writable=True)
     memory = ReconcileState()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -254,7 +264,7 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
     record = (not once) if record is None else record
     config = _load(config_path) if (record or os.path.exists(config_path)) else OpsConfig()
     if record:
-        _check_state_dir(state_dir)
+        _check_state_dir(state_dir, writable=True)
     recovery = recovery_status(host_root)
     if recovery.warning and not as_json:
         click.echo(f"warning: {recovery.warning}", err=True)
@@ -290,6 +300,8 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
         watcher.wait_for_hooks(config.hook_timeout_s * max(1, len(config.hooks)) + 5)
     for gap in src.gaps:
         click.echo(f"warning: {gap}", err=True)
+    if watcher.cursor_error:
+        click.echo(f"warning: {watcher.cursor_error}", err=True)
     if as_json:
         click.echo(json.dumps({"summary": True, **tally, "recovery": recovery.to_json(), "gaps": src.gaps,
                                "source_error": failure}))
@@ -308,7 +320,7 @@ def clear_cmd(bdf: str, state_dir: str) -> None:
 
     if not BDF_RE.match(bdf):
         raise BadInput(f"card {bdf!r}: expected a full lowercase PCI address like 0000:03:00.0")
-    _check_state_dir(state_dir, must_exist=True)
+    _check_state_dir(state_dir, must_exist=True, writable=True)
     try:
         known = read_card_state(state_dir, bdf) is not None
     except StateFileError as exc:
@@ -316,7 +328,11 @@ def clear_cmd(bdf: str, state_dir: str) -> None:
         click.echo(f"warning: {exc}; it is kept aside and the card starts over (counts reset)", err=True)
     if not known:
         raise BadInput(f"card {bdf}: no state in {state_dir} (nothing to clear)")
-    state = clear_card(state_dir, bdf)
+    try:
+        state = clear_card(state_dir, bdf)
+    except OSError as exc:
+        raise CheckFailed(f"card {bdf}: not cleared, {state_dir} took no write ({exc.strerror}); "
+                          "it stays fenced") from None
     click.echo(f"{bdf}: healthy (event counts kept: "
                + ", ".join(f"{k}={v}" for k, v in state.counts.items() if v) + ")")
 

@@ -183,6 +183,8 @@ def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus
             update_card_state(state_dir, status.bdf, change)
         except StateFileError:
             continue  # left for the operator (reported as fenced); a power check must not erase it
+        except OSError as exc:  # full or read-only: the check stands, its record is missing
+            status.errors.append(f"power check not saved to {state_dir}: {exc.strerror or exc}")
 
 
 def power_status(

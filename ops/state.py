@@ -334,6 +334,20 @@ def atomic_write_json(path: Path, data: Any) -> None:
         raise
 
 
+def write_probe(state_dir: str | os.PathLike) -> None:
+    """Create the state dir if needed and write, sync and remove a file in it and in cards/:
+    raises OSError (read-only, full, not permitted) where a later fault record would fail."""
+    for directory in (Path(state_dir), cards_dir(state_dir)):
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
+        try:
+            os.write(fd, b"ok\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
+
 @contextlib.contextmanager
 def _locked(state_dir: str | os.PathLike) -> Iterator[None]:
     directory = cards_dir(state_dir)

@@ -374,11 +374,13 @@ class Seen:
     fault: bool
     host: bool = False
     fenced_now: bool = False
+    unsaved: str | None = None  # why the state dir did not take this event (contained anyway)
 
     def to_json(self) -> dict[str, Any]:
         data = self.event.to_json()
         data.pop("record_id", None)
-        data.update(new=self.new, fault=self.fault, host=self.host, fenced_now=self.fenced_now)
+        data.update(new=self.new, fault=self.fault, host=self.host, fenced_now=self.fenced_now,
+                    unsaved=self.unsaved)
         return data
 
 
@@ -433,6 +435,11 @@ class Watcher:
         self._hook_lock = threading.Lock()
         states = read_card_states(state_dir) if state_dir else {}
         self.classifier = Classifier(last_types={b: s.last_event.type for b, s in states.items() if s.last_event})
+        # When the state dir stops taking writes (full, remounted read-only), faults are still
+        # contained from memory: each event counted once, each card fenced (hooks) once.
+        self._unsaved_seen: set[tuple] = set()
+        self._fenced = {b for b, st in states.items() if not st.healthy}
+        self.cursor_error: str | None = None
 
     def is_fault(self, event: KernelEvent) -> bool:
         if event.type == "ring_timeout" and event.detail.get("soft_recovered"):
@@ -448,7 +455,11 @@ class Watcher:
         if self.state_dir is not None:
             cursors = load_cursors(self.state_dir)
             cursors[self.source.key] = self.source.position()
-            atomic_write_json(Path(self.state_dir) / CURSOR_FILE, cursors)
+            try:
+                atomic_write_json(Path(self.state_dir) / CURSOR_FILE, cursors)
+                self.cursor_error = None
+            except OSError as exc:  # a restart re-reads; saved events say "already counted"
+                self.cursor_error = f"log position not saved to {self.state_dir}: {exc.strerror or exc}"
         return seen
 
     def _handle(self, event: KernelEvent) -> Seen:
@@ -456,9 +467,13 @@ class Watcher:
         if self.state_dir is None:
             item = Seen(event, new=True, fault=fault, host=event.bdf is None)
         elif event.bdf is None:
-            new = record_host_event(self.state_dir, event.type, event.message, event.stream, event.ordinal,
-                                    event.record_id)
-            item = Seen(event, new=new, fault=fault, host=True)
+            try:
+                new = record_host_event(self.state_dir, event.type, event.message, event.stream,
+                                        event.ordinal, event.record_id)
+                item = Seen(event, new=new, fault=fault, host=True)
+            except OSError as exc:
+                item = Seen(event, new=self._first_unsaved(event), fault=fault, host=True,
+                            unsaved=self._unsaved(exc))
         else:
             item = self._count_for_card(event, fault)
         if self.on_event:
@@ -487,10 +502,27 @@ class Watcher:
                 state.unhealthy_boot_id = self.boot
 
         # A corrupt state file is kept aside and the card starts unhealthy: never lose the fault.
-        update_card_state(self.state_dir, event.bdf, change, replace_corrupt=True)
-        if fenced_now and self.hooks:
-            self._start_hooks(event)
-        return Seen(event, new=new, fault=fault, fenced_now=fenced_now)
+        unsaved = None
+        try:
+            update_card_state(self.state_dir, event.bdf, change, replace_corrupt=True)
+        except OSError as exc:
+            unsaved = self._unsaved(exc)
+            new = self._first_unsaved(event)
+            fenced_now = fault and new and event.bdf not in self._fenced
+        if fenced_now:
+            self._fenced.add(event.bdf)
+            if self.hooks:
+                self._start_hooks(event)
+        return Seen(event, new=new, fault=fault, fenced_now=fenced_now, unsaved=unsaved)
+
+    def _first_unsaved(self, event: KernelEvent) -> bool:
+        key = (event.stream, event.ordinal, event.record_id)
+        new = key not in self._unsaved_seen
+        self._unsaved_seen.add(key)
+        return new
+
+    def _unsaved(self, exc: OSError) -> str:
+        return f"not saved to {self.state_dir}: {exc.strerror or exc}"
 
     def _start_hooks(self, event: KernelEvent) -> None:
         def work():
@@ -534,6 +566,7 @@ def print_event(item: Seen, as_json: bool, out=None) -> None:
     else:
         flags = ("" if item.new else " (already counted)")
     flags += (" FAULT" if item.fault else "") + (" -> fenced" if item.fenced_now else "")
+    flags += f" (NOT SAVED: {item.unsaved})" if item.unsaved else ""
     detail = " ".join(f"{k}={v}" for k, v in e.detail.items())
     with _print_lock:
         print(f"{e.timestamp or '-':>14} {e.bdf or 'no-card':<13} {e.type:<17} {detail}{flags}  | {e.message}",

@@ -91,3 +91,60 @@ def test_item2_hook_arguments_and_the_config_directory_are_checked_too(tmp_path)
                         attribution="prefix")
     runs = run_hooks([["/bin/sh", str(script)]], event, timeout_s=5)
     assert runs[0].returncode is None and "not run" in runs[0].error and "hook.sh" in runs[0].error
+
+
+MES = "amdgpu {}: amdgpu: MES failed to respond to msg=REMOVE_QUEUE"
+
+
+@pytest.mark.parametrize("state_dir", ["/proc/self", "/sys/fs/r9k-state"])
+def test_item3_a_state_dir_that_takes_no_write_is_refused_at_start(tmp_path, state_dir):
+    """Read-only filesystems (procfs, sysfs: root cannot write there either): every command that
+    records refuses at start, exit 2, before touching a card or reading the log."""
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    log = tmp_path / "kern.log"
+    log.write_text(f"[  1.0] {MES.format(A)}\n")
+    cfg = _config(tmp_path / "ops.yaml", CONFIG)
+    common = ["--config", str(cfg), "--host-root", str(host), "--state-dir", state_dir]
+    for args in (["watch", "--source", str(log), "--once", "--record"], ["apply"],
+                 ["reconcile", "--interval", "1", "--count", "1"]):
+        result = CliRunner().invoke(main, ["ops", *args, *common])
+        assert result.exit_code == 2, (args, result.output)
+        assert f"--state-dir {state_dir}: cannot write there" in result.output
+        assert "Traceback" not in result.output
+    assert read_cap_watts(host, A) == 300.0
+
+
+def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypatch):
+    """The state dir fills up after start: the MES fault is still fenced (hooks run once per
+    card), printed with what was not saved, and the process does not crash."""
+    import errno
+
+    import r9k.ops.state as state_mod
+    import r9k.ops.watch as watch_mod
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
+    marks = tmp_path / "hook-ran"
+    script = tmp_path / "hooks" / "drain.sh"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$R9K_BDF $R9K_EVENT" >> {marks}\n')
+    os.chmod(script, 0o755)
+    cfg = _config(tmp_path / "ops.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n")
+    log = tmp_path / "kern.log"
+    log.write_text(f"[  1.0] {MES.format(A)}\n[  2.0] {MES.format(A)}\n"
+                   "[ 30.0] [drm] *ERROR* ring gfx_0.0.0 timeout\n")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state_mod, "atomic_write_json", full)
+    monkeypatch.setattr(watch_mod, "atomic_write_json", full)
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
+                                       "--config", str(cfg), "--host-root", str(host),
+                                       "--state-dir", str(tmp_path / "state"), "--json"])
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
+    assert [(e["bdf"], e["new"], e["fenced_now"]) for e in events] == [
+        (A, True, True), (A, True, False), (None, True, False)]
+    assert all("not saved to" in e["unsaved"] and "No space left" in e["unsaved"] for e in events)
+    assert marks.read_text().splitlines() == [f"{A} mes_timeout"]  # the drain hook ran once
+    assert "warning: log position not saved" in result.output
