@@ -29,6 +29,12 @@ RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
 _OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-model-name",
                 "--speculative-config", "--max-model-len", "--kv-cache-memory-bytes", "--api-key",
                 "--enable-prefix-caching", "--no-enable-prefix-caching")
+# R9K_* is not among the prefixes vLLM's Ray executor copies to its workers.
+RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+# Environment the fleet sets itself (card placement, page mode, what Ray copies); in `env` they
+# would override it.
+_OWNED_ENV = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+              "GPU_DEVICE_ORDINAL", "VLLM_CPU_OMP_THREADS_BIND", "R9K_GDN_STATE", RAY_EXTRA_COPY)
 
 
 class FleetConfigError(ValueError):
@@ -56,6 +62,8 @@ class ModelSpec(_Strict):
     # a mixed model for comparisons: replica i's pages (overrides gdn_state), one per replica
     gdn_state_per_replica: Union[list[Literal["onepage", "stock"]], None] = None
     state_dtype: Union[Literal["float32", "bfloat16"], None] = None  # --mamba-ssm-cache-dtype
+    # vLLM's default for hybrids, on (one-page serves it); false: --no-enable-prefix-caching
+    prefix_caching: StrictBool = True
     extra_args: list[StrictStr] = []
     env: dict[StrictStr, StrictStr] = {}
 
@@ -70,12 +78,21 @@ class ModelSpec(_Strict):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, args: list[str]) -> list[str]:
-        for arg in args:
+        for arg in split_args(args):  # as the replica is launched: "--host 0.0.0.0" is two words
             flag = arg.split("=", 1)[0]
             if flag in _OWNED_FLAGS:
-                raise ValueError(f"{flag} is set by the fleet from the model's typed fields; "
-                                 "remove it from extra_args")
+                raise ValueError(f"{flag} is set by the fleet from the model's typed fields "
+                                 f"(prefix caching: `prefix_caching: false`); remove it from extra_args")
         return args
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if key in _OWNED_ENV:
+                raise ValueError(f"{key} is set by the fleet (card placement, page mode, Ray's env "
+                                 "copy); remove it from env")
+        return env
 
     @model_validator(mode="after")
     def _onepage_needs_spec(self) -> "ModelSpec":

@@ -12,15 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from r9k import capacity
-from r9k.deploy.config import RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
+from r9k.deploy.config import RAY_EXTRA_COPY, RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
 from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
-
-# R9K_* is not among the prefixes vLLM's Ray executor copies to its workers.
-RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
-
 
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     spec = model.speculative
@@ -28,7 +24,8 @@ def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) 
         model.resolved_path(cfg.base_dir), model.name, host, port, tp=model.tp,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=model.kv_cache_memory_bytes,
         num_spec=spec.k if spec else 0, spec_method=spec.method if spec else None,
-        prefix_caching=None,  # vLLM's default for hybrids, on; one-page serves it (align)
+        # None: vLLM's default for hybrids, on (one-page serves it: align)
+        prefix_caching=None if model.prefix_caching else False,
         state_dtype=model.state_dtype, extra_args=split_args(model.extra_args))
 
 
@@ -59,7 +56,7 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
                          kv_bytes_per_rank=model.kv_cache_memory_bytes,
                          max_model_len=model.max_model_len, platform=cfg.platform,
                          state_dtype=model.state_dtype, running=0,
-                         prefix_caching=True)  # as engine_argv runs it: vLLM's default
+                         prefix_caching=model.prefix_caching)  # as engine_argv runs it
 
 
 @dataclass

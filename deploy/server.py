@@ -34,8 +34,8 @@ def api_server_argv(model_path: str | os.PathLike, served_name: str, host: str, 
                     num_spec: int = 0, spec_method: str | None = None,
                     prefix_caching: bool | None = None, state_dtype: str | None = None,
                     extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
-    """argv of one api_server. ``prefix_caching`` None keeps vLLM's default (on for hybrid models,
-    which keeps stock GDN pages); one-page pages need False. ``port`` may be a template such as
+    """argv of one api_server. ``prefix_caching`` None keeps vLLM's default (on for hybrid models;
+    one-page serves it, `mamba_cache_mode=align`), False turns it off. ``port`` may be a template such as
     "{port}" that the supervisor fills in once it has picked a free port."""
     if tp < 1 or max_model_len < 1 or kv_cache_memory_bytes < 1:
         raise ValueError(f"api_server_argv: tp {tp}, max_model_len {max_model_len} and "
