@@ -5,8 +5,9 @@ lines), ``journalctl -k -o json`` objects and plain dmesg/syslog text. Only kern
 kmsg records of the kernel facility, journal records with ``_TRANSPORT=kernel``, syslog lines
 tagged ``kernel:`` (a process's line naming a card must not fence it). The message is matched;
 the BDF comes from the ``amdgpu 0000:03:00.0:`` prefix or the record's device, or, for a line
-without either, from an addressed amdgpu line just before it (at most ``CONTEXT_MAX_LINES``
-lines and ``CONTEXT_WINDOW_S`` seconds earlier). Anything else stays unattributed (bdf None).
+without either, from the addressed amdgpu lines just before it (at most ``CONTEXT_MAX_LINES``
+lines and ``CONTEXT_WINDOW_S`` seconds earlier) when they all name one card. Anything else stays
+unattributed (bdf None): a host event.
 """
 from __future__ import annotations
 
@@ -161,17 +162,20 @@ class Classifier:
     def __init__(self, last_types: dict[str, str] | None = None):
         self.last_types: dict[str, str] = dict(last_types or {})
         self._lines = 0
-        self._context: tuple[str, int, float | None] | None = None  # (bdf, line number, mono_s)
+        # the addressed amdgpu lines of the last CONTEXT_MAX_LINES lines: (bdf, line number, mono_s)
+        self._context: list[tuple[str, int, float | None]] = []
 
     def _context_bdf(self, line: LogLine) -> str | None:
-        if self._context is None:
-            return None
-        bdf, number, mono_s = self._context
-        if self._lines - number > CONTEXT_MAX_LINES:
-            return None
-        if mono_s is not None and line.mono_s is not None and not 0 <= line.mono_s - mono_s <= CONTEXT_WINDOW_S:
-            return None
-        return bdf
+        """The card the addressed lines just before name, when they all name one card (lines of
+        two cards interleaved: no evidence for either, a host event)."""
+        near = set()
+        for bdf, number, mono_s in self._context:
+            if self._lines - number > CONTEXT_MAX_LINES:
+                continue
+            if mono_s is not None and line.mono_s is not None and not 0 <= line.mono_s - mono_s <= CONTEXT_WINDOW_S:
+                continue
+            near.add(bdf)
+        return near.pop() if len(near) == 1 else None
 
     def classify(self, line: LogLine) -> KernelEvent | None:
         self._lines += 1
@@ -184,7 +188,8 @@ class Classifier:
             bdf, attribution = line.device_bdf, "device"
         context = None if bdf else self._context_bdf(line)
         if bdf and ("amdgpu" in line.message or attribution == "device"):
-            self._context = (bdf, self._lines, line.mono_s)
+            self._context = [c for c in self._context if self._lines - c[1] < CONTEXT_MAX_LINES]
+            self._context.append((bdf, self._lines, line.mono_s))
         if not any(word in text for word in _RULE_WORDS):
             return None
         for event_type, pattern in _RULES:

@@ -148,3 +148,31 @@ def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypa
     assert all("not saved to" in e["unsaved"] and "No space left" in e["unsaved"] for e in events)
     assert marks.read_text().splitlines() == [f"{A} mes_timeout"]  # the drain hook ran once
     assert "warning: log position not saved" in result.output
+
+
+def test_item4_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_path):
+    """Lines of two cards interleaved, then a ring timeout naming no card: no evidence for
+    either card (the old rule gave it to whichever logged last, which was then fenced and
+    drained); a host event. After one card's lines alone, context still attributes it."""
+    from r9k.ops.kernlog import Classifier
+    from r9k.ops.watch import FileSource
+
+    log = tmp_path / "kern.log"
+    log.write_text(f"[ 10.00] amdgpu {A}: amdgpu: [gfxhub] page fault (src_id:0 ring:24 vmid:3)\n"
+                   f"[ 10.01] amdgpu {B}: amdgpu: [gfxhub] page fault (src_id:0 ring:24 vmid:5)\n"
+                   "[ 10.02] [drm] *ERROR* ring gfx_0.0.0 timeout, signaled seq=10, emitted seq=12\n"
+                   f"[ 20.00] amdgpu {B}: amdgpu: [gfxhub] page fault (src_id:0 ring:24 vmid:5)\n"
+                   "[ 20.01] [drm] *ERROR* ring gfx_0.0.0 timeout, signaled seq=20, emitted seq=22\n")
+    classifier = Classifier()
+    events = [e for e in map(classifier.classify, FileSource(log).read(final=True)) if e]
+    assert [(e.type, e.bdf, e.attribution) for e in events] == [
+        ("ring_timeout", None, "none"), ("ring_timeout", B, "context")]
+    # through the CLI: the first timeout is a host event, only the second fences card B
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
+    cfg = _config(tmp_path / "ops.yaml", CONFIG)
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
+                                       "--config", str(cfg), "--host-root", str(host),
+                                       "--state-dir", str(tmp_path / "state"), "--json"])
+    assert result.exit_code == 0, result.output
+    seen = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
+    assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(None, True, False), (B, False, True)]

@@ -102,7 +102,9 @@ def _mixed_log() -> tuple[list[bytes], dict[str, dict[str, int]]]:
         json.dumps({"MESSAGE": list(f"amdgpu {C}: amdgpu: device lost from bus!\xff".encode("latin-1")),
                     "__SEQNUM": 78, "__SEQNUM_ID": "s", "_BOOT_ID": "b", "_TRANSPORT": "kernel"}) + "\n",
         '{"MESSAGE": 5}\n',
-        "[drm] GPU recovery disabled.\n",  # context: the previous amdgpu line named card C
+        "usb 1-1: USB disconnect, device number 2\n",  # card A's line leaves the context window
+        "usb 1-1: new high-speed USB device number 3 using xhci_hcd\n",
+        "[drm] GPU recovery disabled.\n",  # context: the addressed lines before name card C only
     ]
     chunks = [("".join(text[:6])).encode(), ("".join(text[6:]) + "".join(kmsg[:3])).encode(),
               ("".join(kmsg[3:]) + "".join(journal)).encode() + b"\xff\xfe raw bytes\n"]
