@@ -227,9 +227,9 @@ def _replaceable_dirs(path: Path, label: str) -> str | None:
 
 def _names_a_path(arg: str) -> bool:
     """A hook argument the hook may read as a file (a script for an interpreter, a config): one
-    that exists, or looks like a path (a '/', no blanks, not an option)."""
-    return os.path.lexists(arg) or ("/" in arg and not any(c.isspace() for c in arg)
-                                    and not arg.startswith("-"))
+    that exists, or looks like a path (a '/', no blanks, not an option, not a URL)."""
+    return os.path.lexists(arg) or ("/" in arg and "://" not in arg and not arg.startswith("-")
+                                    and not any(c.isspace() for c in arg))
 
 
 def hook_problem(argv: list[str]) -> str | None:

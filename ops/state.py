@@ -40,7 +40,8 @@ DEFAULT_FAULT_EVENTS: tuple[str, ...] = (
 DEFAULT_STATE_DIR = "/var/lib/r9k/ops"
 SCHEMA_VERSION = 1
 # A PCI address (domain:bus:device.function) as sysfs and the kernel write it; the one pattern.
-BDF_PATTERN = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+# PCI domain: 4 hex digits, or more behind a VMD bridge (Intel VMD numbers its domains 10000+)
+BDF_PATTERN = r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 BDF_RE = re.compile(rf"^{BDF_PATTERN}$")
 # Positions kept per card for exactly-once counting; older streams (earlier boots) are dropped.
 _MAX_STREAMS = 8

@@ -176,3 +176,21 @@ def test_item4_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_pa
     assert result.exit_code == 0, result.output
     seen = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
     assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(None, True, False), (B, False, True)]
+
+
+def test_item10_a_card_behind_vmd_is_managed_and_fenced(tmp_path):
+    """A card on PCI domain 10000 (Intel VMD): apply writes, verifies and records it without a
+    traceback; its MES timeout is its own (fenced), not a host event."""
+    vmd = "10000:e1:00.0"
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(vmd)])
+    with FakeKernel(host):
+        result = _ops(tmp_path, host, "apply", "--settle-seconds", "1", "--json")
+    assert result.exit_code == 0, result.output
+    cards = {c["bdf"]: c for c in json.loads(result.stdout)["cards"]}
+    assert cards[vmd]["ok"] and (read_cap_watts(host, vmd), read_od_offset_mv(host, vmd)) == (210.0, -42)
+    log = tmp_path / "kern.log"
+    log.write_text(f"[  5.0] {MES.format(vmd)}\n")
+    watched = _ops(tmp_path, host, "watch", "--source", str(log), "--once", "--record", "--json")
+    assert watched.exit_code == 0, watched.output
+    seen = [json.loads(line) for line in watched.stdout.splitlines() if '"type"' in line]
+    assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(vmd, False, True)]
