@@ -17,6 +17,7 @@ import base64
 import binascii
 import importlib.util
 import os
+import re
 import socket
 import ssl
 import threading
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from r9k.config_errors import YamlKeyError, load_yaml_strict, validation_message
 
+_BCRYPT_HASH = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
 CONNECTION_TIMEOUT_S = 10.0  # a client that connects and says nothing holds one thread this long
 
 
@@ -78,6 +80,19 @@ def load_web_config(path: str | os.PathLike) -> tuple[WebConfig, ssl.SSLContext 
     if config.basic_auth_users and importlib.util.find_spec("bcrypt") is None:
         raise WebConfigError(f"{path}: basic_auth_users needs the bcrypt package "
                              "(pip install 'r9700-stack[auth]')")
+    import bcrypt
+
+    for user, hashed in config.basic_auth_users.items():
+        # a malformed hash would make every scrape 401 with nothing logged: refuse it now
+        why = None if _BCRYPT_HASH.match(hashed) else f"{len(hashed)} characters in the wrong form"
+        if why is None:
+            try:
+                bcrypt.checkpw(b"", hashed.encode())
+            except ValueError as exc:
+                why = str(exc)
+        if why:
+            raise WebConfigError(f"{path}: basic_auth_users.{user}: not a valid bcrypt hash ({why}); "
+                                 f"expected $2b$<cost>$ and 53 characters (htpasswd -nBC 12 {user})")
     return config, _tls_context(config.tls_server_config, path)
 
 
@@ -108,30 +123,71 @@ def _tls_context(tls: TlsServerConfig | None, source: Path) -> ssl.SSLContext | 
     return ctx
 
 
-def _check_basic_auth(header: str, users: dict[str, str]) -> bool:
-    import bcrypt
+AUTH_CHECKS_AT_ONCE = 2        # bcrypt checks running at once; more wait this long, then 503
+AUTH_WAIT_S = 0.5
+AUTH_CACHE_SIZE = 64           # Authorization headers that passed, kept (as digests) to skip bcrypt
 
-    scheme, _, encoded = header.partition(" ")
-    if scheme.lower() != "basic":
-        return False
-    try:
-        user, sep, password = base64.b64decode(encoded, validate=True).decode().partition(":")
-    except (binascii.Error, UnicodeDecodeError):
-        return False
-    hashed = users.get(user)
-    # Unknown users cost a bcrypt check too, so timing does not tell which names exist.
-    reference = hashed or "$2b$12$" + "." * 53
-    try:
-        ok = bcrypt.checkpw(password.encode(), reference.encode())
-    except ValueError:
-        return False
-    return bool(sep) and hashed is not None and ok
+
+class BasicAuth:
+    """bcrypt basic auth that wrong guesses cannot use to starve real scrapes or to learn names:
+    at most AUTH_CHECKS_AT_ONCE checks run at once (the rest wait AUTH_WAIT_S, then 503); a header
+    that passed is remembered (its SHA-256), so the scraper does not queue behind guesses; an
+    unknown user costs a bcrypt check of the same cost as the known users' hashes."""
+
+    def __init__(self, users: dict[str, str]) -> None:
+        import bcrypt
+
+        self.users = users
+        cost = max(int(h.split("$")[2]) for h in users.values())
+        self._dummy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(rounds=cost))
+        self._slots = threading.BoundedSemaphore(AUTH_CHECKS_AT_ONCE)
+        self._passed: dict[bytes, None] = {}
+        self._lock = threading.Lock()
+
+    def check(self, header: str) -> bool | None:
+        """True (pass), False (401), None (too many checks at once: 503)."""
+        import hashlib
+
+        import bcrypt
+
+        digest = hashlib.sha256(header.encode(errors="surrogateescape")).digest()
+        with self._lock:
+            if digest in self._passed:
+                return True
+        scheme, _, encoded = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, sep, password = base64.b64decode(encoded, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        hashed = self.users.get(user)
+        if not self._slots.acquire(timeout=AUTH_WAIT_S):
+            return None
+        try:
+            ok = bcrypt.checkpw(password.encode(), hashed.encode() if hashed else self._dummy)
+        finally:
+            self._slots.release()
+        ok = bool(sep) and hashed is not None and ok
+        if ok:
+            with self._lock:
+                self._passed[digest] = None
+                while len(self._passed) > AUTH_CACHE_SIZE:
+                    self._passed.pop(next(iter(self._passed)))
+        return ok
 
 
 def _guarded(app, users: dict[str, str]):
+    auth = BasicAuth(users)
+
     def guarded_app(environ, start_response):
-        if _check_basic_auth(environ.get("HTTP_AUTHORIZATION", ""), users):
+        verdict = auth.check(environ.get("HTTP_AUTHORIZATION", ""))
+        if verdict:
             return app(environ, start_response)
+        if verdict is None:
+            start_response("503 Service Unavailable", [("Retry-After", "1"),
+                                                       ("Content-Type", "text/plain; charset=utf-8")])
+            return [b"Too many authentication attempts at once\n"]
         start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="r9k exporter"'),
                                              ("Content-Type", "text/plain; charset=utf-8")])
         return [b"Unauthorized\n"]
