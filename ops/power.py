@@ -248,6 +248,8 @@ def choose_backend(config: OpsConfig, override: str | None = None) -> Backend:
     try:
         client.request("ping")
         gpu_ids = client.gpu_ids_by_bdf()
+        if gpu_ids:  # the call every apply starts with: an older lactd answers "unknown variant"
+            client.get_gpu_config(next(iter(gpu_ids.values())))
     except LactError as exc:
         if wanted == "lact":
             raise BackendError(f"backend lact: {exc}") from None
@@ -441,8 +443,15 @@ def reconcile_once(
         if status.drift or reset_since:
             redo.add(status.bdf)
     if redo:
-        report = apply_power(config, host_root, state_dir, backend_override, wait_s=settle_s,
-                             settle_s=settle_s, only=redo)
+        try:
+            report = apply_power(config, host_root, state_dir, backend_override, wait_s=settle_s,
+                                 settle_s=settle_s, only=redo)
+        except BackendError as exc:  # lactd down for now: this round's drift, the next tries again
+            for status in statuses:
+                if status.bdf in redo:
+                    status.drift = [f"not re-applied: {exc}"] + (status.drift or ["reset since last round"])
+            _record_power(state_dir, statuses)
+            return statuses, []
         after = {c.bdf: c for c in report.cards}
         statuses = [after.get(s.bdf, s) for s in statuses]
     else:

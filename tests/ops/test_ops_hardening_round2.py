@@ -194,3 +194,40 @@ def test_item10_a_card_behind_vmd_is_managed_and_fenced(tmp_path):
     assert watched.exit_code == 0, watched.output
     seen = [json.loads(line) for line in watched.stdout.splitlines() if '"type"' in line]
     assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(vmd, False, True)]
+
+
+def test_item9_auto_falls_back_to_sysfs_from_a_lact_without_get_gpu_config(tmp_path):
+    """An older lactd answers ping and list_devices but not get_gpu_config ("unknown variant"):
+    auto picks sysfs and says why; `backend: lact` refuses (exit 2, nothing written)."""
+    from doubles.lact_double import LactDouble
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
+    sock = str(tmp_path / "lactd.sock")
+    cfg = _config(tmp_path / "ops.yaml", f"backend: auto\nlact_socket: {sock}\n"
+                  "defaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n")
+    common = ["--config", str(cfg), "--host-root", str(host), "--state-dir", str(tmp_path / "state")]
+    with LactDouble(sock, host, fail_commands={"get_gpu_config": "unknown variant `GetGpuConfig`"}), \
+            FakeKernel(host):
+        auto = CliRunner().invoke(main, ["ops", "apply", "--settle-seconds", "1", "--json", *common])
+        forced = CliRunner().invoke(main, ["ops", "apply", "--backend", "lact", *common])
+    assert auto.exit_code == 0, auto.output
+    backend = json.loads(auto.stdout)["backend"]
+    assert backend.startswith("sysfs (LACT not available") and "unknown variant" in backend
+    assert read_cap_watts(host, A) == read_cap_watts(host, B) == 210.0
+    assert forced.exit_code == 2 and "unknown variant" in forced.output
+
+
+def test_item9_reconcile_with_lact_down_reports_and_keeps_going(tmp_path):
+    """`backend: lact` with lactd not running: each round reports the drift it could not repair
+    (exit 1 at the end, not exit 2 at the first round); the rounds go on."""
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    cfg = _config(tmp_path / "ops.yaml", f"backend: lact\nlact_socket: {tmp_path / 'absent.sock'}\n"
+                  "defaults: {power_cap_watts: 210}\n")
+    result = CliRunner().invoke(main, ["ops", "reconcile", "--interval", "0.01", "--count", "3",
+                                       "--settle-seconds", "0.1", "--json", "--config", str(cfg),
+                                       "--host-root", str(host), "--state-dir", str(tmp_path / "state")])
+    assert result.exit_code == 1, result.output
+    rounds = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["cards"][0]["drift"][0].startswith("not re-applied: backend lact:") for r in rounds)
+    assert read_cap_watts(host, A) == 300.0
