@@ -252,12 +252,15 @@ def ray_head(config: str, dry_run: bool) -> None:
 @click.option("--dest", default="/etc/systemd/system", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--r9k-bin", default=None, help="absolute path of the r9k executable (default: this one)")
+@click.option("--env-file", default="/etc/r9k/fleet.env", show_default=True,
+              help="systemd EnvironmentFile with the API key (entry.api_key_env): root-owned, 0600")
 @run_dir_option
-def install_units_cmd(config: str, dest: str, r9k_bin: str | None, run_dir: str | None) -> None:
+def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str,
+                      run_dir: str | None) -> None:
     """Write r9k-ray-head.service and r9k-fleet.service: Ray as its own service, the controller
     restarted by systemd when it dies, re-adopting the running replicas."""
     from r9k.deploy.controller import default_run_dir
-    from r9k.ops.units import default_r9k_bin, install_fleet_units
+    from r9k.ops.units import default_r9k_bin, env_file_problem, install_fleet_units
 
     cfg = _load(config)
     if cfg.ray.address == "local":
@@ -268,7 +271,13 @@ def install_units_cmd(config: str, dest: str, r9k_bin: str | None, run_dir: str 
     if not os.path.isabs(r9k_bin) or not os.access(r9k_bin, os.X_OK):
         raise BadInput(f"--r9k-bin {r9k_bin}: expected the absolute path of an executable r9k")
     run = run_dir or cfg.run_dir or str(default_run_dir())
-    for path in install_fleet_units(dest, r9k_bin, config, str(run)):
+    key_env = cfg.entry.api_key_env
+    if key_env:  # the key reaches the controller from the file, never from the unit's text
+        problem = env_file_problem(env_file, [key_env])
+        if problem:
+            raise BadInput(f"--env-file {problem}; entry.api_key_env is {key_env}, so the "
+                           "controller's unit needs the key from there")
+    for path in install_fleet_units(dest, r9k_bin, config, str(run), env_file if key_env else None):
         click.echo(f"wrote {path}")
     click.echo("next: systemctl daemon-reload && systemctl enable --now r9k-ray-head.service "
                "r9k-fleet.service")

@@ -380,14 +380,21 @@ def health_cmd(state_dir: str, as_json: bool) -> None:
 @_STATE_OPT
 @click.option("--interval", type=FiniteFloat(min=1, max=86400), default=60, show_default=True,
               help="Reconcile interval in seconds.")
-def install_units_cmd(dest, r9k_bin, config_path, state_dir, interval) -> None:
+@click.option("--env-file", default=None,
+              help="systemd EnvironmentFile for the watcher's hooks (R9K_FLEET_API_KEY for the fleet's "
+                   "drain hook): root-owned, 0600")
+def install_units_cmd(dest, r9k_bin, config_path, state_dir, interval, env_file) -> None:
     """Write the boot-apply, reconcile and watch systemd units (then: systemctl daemon-reload, enable)."""
-    from r9k.ops.units import install_units, default_r9k_bin
+    from r9k.ops.units import default_r9k_bin, env_file_problem, install_units
 
     r9k_bin = r9k_bin or default_r9k_bin()
     if not os.path.isabs(r9k_bin) or not os.access(r9k_bin, os.X_OK):
         raise BadInput(f"--r9k-bin {r9k_bin}: expected the absolute path of an executable r9k")
-    for path in install_units(dest, r9k_bin, config_path, state_dir, interval):
+    if env_file:
+        problem = env_file_problem(env_file, ["R9K_FLEET_API_KEY"])
+        if problem:
+            raise BadInput(f"--env-file {problem}")
+    for path in install_units(dest, r9k_bin, config_path, state_dir, interval, env_file):
         click.echo(f"wrote {path}")
     click.echo("next: systemctl daemon-reload && systemctl enable --now "
                "r9k-ops-apply.service r9k-ops-reconcile.service r9k-ops-watch.service")

@@ -52,3 +52,53 @@ def test_item14_prefix_caching_off_from_the_fleet_file(monkeypatch, tmp_path):
     assert planned_pool(on.models[0], on).onepage.cache_mode == "align"
     assert planned_pool(off.models[0], off).onepage.cache_mode == "none"
     assert "prefix_caching" in refused(fleet_text(models=[dict(MODEL, prefix_caching="no")]))
+
+
+def test_item12_install_units_gives_the_controller_and_the_drain_hook_the_api_key(tmp_path, monkeypatch):
+    """entry.api_key_env: the fleet unit reads the key from a root-only EnvironmentFile (checked:
+    exists, 0600, sets the variable), never from its own text; the watcher's unit can get
+    R9K_FLEET_API_KEY the same way for the fleet's drain hook."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny")
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({
+        "platform": "cpu", "ray": {"address": "auto"}, "entry": {"api_key_env": "R9K_FLEET_API_KEY"},
+        "hosts": [{"name": "box1", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+        "models": [{"name": "tiny", "path": str(tmp_path / "tiny"), "kv_cache_memory_bytes": 64 << 20}]}))
+    monkeypatch.setenv("R9K_FLEET_API_KEY", "k" * 32)
+    r9k_bin = str(Path(sys.executable).parent / "r9k")
+    env = tmp_path / "fleet.env"
+
+    def install(*extra):
+        return CliRunner().invoke(main, ["fleet", "install-units", "--config", str(fleet), "--dest",
+                                         str(tmp_path / "system"), "--r9k-bin", r9k_bin,
+                                         "--env-file", str(env), *extra])
+
+    res = install()
+    assert res.exit_code == 2 and f"--env-file {env}: cannot read it" in res.output
+    env.write_text("R9K_FLEET_API_KEY=" + "k" * 32 + "\n")
+    os.chmod(env, 0o644)
+    res = install()
+    assert res.exit_code == 2 and "expected root-owned, mode 0600" in res.output
+    os.chmod(env, 0o600)
+    env.write_text("# nothing yet\n")
+    res = install()
+    assert res.exit_code == 2 and "sets no R9K_FLEET_API_KEY" in res.output
+    env.write_text("R9K_FLEET_API_KEY=" + "k" * 32 + "\n")
+    res = install()
+    assert res.exit_code == 0, res.output
+    unit = (tmp_path / "system" / "r9k-fleet.service").read_text()
+    assert f"EnvironmentFile={env}" in unit and "k" * 32 not in unit
+    ops = CliRunner().invoke(main, ["ops", "install-units", "--dest", str(tmp_path / "ops"),
+                                    "--r9k-bin", r9k_bin, "--env-file", str(env)])
+    assert ops.exit_code == 0, ops.output
+    assert f"EnvironmentFile={env}" in (tmp_path / "ops" / "r9k-ops-watch.service").read_text()
