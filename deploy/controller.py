@@ -453,7 +453,7 @@ class FleetController(Backend):
         # an unreadable /metrics while loading fails the proof (no cache_config_info), as before
         proof = (prove_pages(text or "", self.plans[r.model.name], r.model.gdn_state)
                  if loading and heartbeat else None)
-        counters = parse_vllm_metrics(text) if text and not loading else None
+        counters = _counters(text) if text and not loading else None
         if counters is not None and None not in (counters.running, counters.waiting,
                                                  counters.kv_usage_ratio):
             # the router scores replicas by the engine's own pool and queue

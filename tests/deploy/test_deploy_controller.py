@@ -302,3 +302,20 @@ def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_res
         run(c._probe(r))
         assert r.lc.state == READY and [x.name for x in c.routes("tiny")] == ["tiny-0"]
         assert ray.calls == [] and c.placed == []  # no start, no placement
+
+
+def test_item13_a_ready_replica_answering_html_on_metrics_does_not_break_the_probe(fleet):
+    """Issue 25 item 13: /metrics answering a web page (a proxy's error page, say) is 'metrics
+    unreadable this time' for a READY replica; the probe goes on (before: ValueError out of it,
+    so the replica was never judged and stayed routed)."""
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+        c.probe.text = "<html><body>502 Bad Gateway</body></html>"
+        await c._probe(r)
+
+    run(scenario())
+    assert r.lc.state == READY and c.probe.metrics_reads == 2
