@@ -230,7 +230,7 @@ class KmsgSource:
 
 
 class JournalSource:
-    """``journalctl -k -o json`` (``-f`` to follow), resuming after the saved cursor.
+    """``journalctl _TRANSPORT=kernel -o json`` (``-f`` to follow), resuming after the saved cursor.
 
     journalctl reports failures on stderr with a non-zero exit: both are checked, and a journalctl
     that exits (while following, or non-zero) raises SourceError with its last stderr line."""
@@ -240,13 +240,36 @@ class JournalSource:
         self.key = "journal"
         self.cursor = (resume or {}).get("cursor")
         self.gaps: list[str] = []
-        self.argv = journal_argv(host_root, follow, self.cursor, journalctl)
+        self._buf = bytearray()
+        self._follow = follow
+        self._start(journal_argv(host_root, follow, self.cursor, journalctl))
+        if self.cursor and self._failed_at_once():
+            # A cursor journalctl cannot seek to (rotated away, another machine's journal): read
+            # this boot from its start instead of failing every restart; the per-card positions
+            # keep what was counted counted once.
+            why = self._last_stderr_line()
+            self.gaps.append(f"journal: saved cursor unusable ({why}); read this boot from its start")
+            self.cursor = None
+            self._start(journal_argv(host_root, follow, None, journalctl))
+
+    def _start(self, argv: list[str]) -> None:
+        self.argv = argv
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
                                       stdin=subprocess.DEVNULL)
         os.set_blocking(self._proc.stdout.fileno(), False)
-        self._buf = bytearray()
-        self._follow = follow
+
+    def _failed_at_once(self, wait_s: float = 1.0) -> bool:
+        try:
+            return self._proc.wait(timeout=wait_s) != 0
+        except subprocess.TimeoutExpired:
+            return False  # running (following, or a long read): the cursor worked
+
+    def _last_stderr_line(self) -> str:
+        self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, self._stderr.tell() - 4096))
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1].strip() if lines else "no message on stderr"
 
     def _lines(self, final: bool) -> Iterator[bytes]:
         assert self._proc.stdout is not None
@@ -291,11 +314,8 @@ class JournalSource:
         returncode = self._proc.poll()
         if returncode is None or (returncode == 0 and not self._follow):
             return
-        self._stderr.seek(0, os.SEEK_END)
-        self._stderr.seek(max(0, self._stderr.tell() - 4096))
-        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
-        why = lines[-1].strip() if lines else "no message on stderr"
-        raise SourceError(f"journalctl exited with status {returncode}: {why} ({' '.join(self.argv)})")
+        raise SourceError(f"journalctl exited with status {returncode}: {self._last_stderr_line()} "
+                          f"({' '.join(self.argv)})")
 
     def position(self) -> dict[str, Any]:
         return {"cursor": self.cursor}
@@ -309,7 +329,9 @@ class JournalSource:
 
 def journal_argv(host_root: str | os.PathLike, follow: bool, cursor: str | None,
                  journalctl: str = "journalctl") -> list[str]:
-    argv = [journalctl, "-k", "-o", "json", "--no-pager"]
+    # _TRANSPORT=kernel, not -k: -k implies -b, which after a reboot skipped the previous boot's
+    # records the cursor had not reached yet
+    argv = [journalctl, "_TRANSPORT=kernel", "-o", "json", "--no-pager"]
     if Path(host_root).resolve() != Path("/"):
         argv += ["--root", str(host_root)]
     argv += [f"--after-cursor={cursor}"] if cursor else ["-b"]

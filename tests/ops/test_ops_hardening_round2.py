@@ -231,3 +231,38 @@ def test_item9_reconcile_with_lact_down_reports_and_keeps_going(tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert all(r["cards"][0]["drift"][0].startswith("not re-applied: backend lact:") for r in rounds)
     assert read_cap_watts(host, A) == 300.0
+
+
+def test_item11_an_unusable_journal_cursor_falls_back_and_says_so(tmp_path, monkeypatch):
+    """A saved cursor journalctl cannot seek to: read this boot from its start with a warning
+    (before: exit 1 on every restart). journalctl is asked for kernel records by transport, not
+    -k, so a cursor from the previous boot reads that boot's unread tail."""
+    from r9k.ops.watch import CURSOR_FILE
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / CURSOR_FILE).write_text(json.dumps({"journal": {"cursor": "s=gone;i=1"}}))
+    calls = tmp_path / "journalctl-calls"
+    line = json.dumps({"MESSAGE": MES.format(A), "_TRANSPORT": "kernel", "__SEQNUM": 9,
+                       "__SEQNUM_ID": "s", "_BOOT_ID": "b", "__CURSOR": "s=new;i=9"})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "journalctl"
+    script.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                      'case "$*" in *--after-cursor*) echo "Failed to seek to cursor: Invalid argument" >&2; exit 1;; esac\n'
+                      f"cat <<'EOF'\n{line}\nEOF\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    cfg = _config(tmp_path / "ops.yaml", CONFIG)
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", "journal", "--once", "--record",
+                                       "--config", str(cfg), "--host-root", str(host),
+                                       "--state-dir", str(state), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning: journal: saved cursor unusable (Failed to seek to cursor: Invalid argument); " \
+           "read this boot from its start" in result.output
+    assert json.loads(result.stdout.splitlines()[0])["fenced_now"] is True
+    first, second = calls.read_text().splitlines()
+    assert first.startswith("_TRANSPORT=kernel -o json") and "--after-cursor=s=gone;i=1" in first
+    assert second.endswith("-b") and "-k" not in second.split()
+    assert json.loads((state / CURSOR_FILE).read_text())["journal"]["cursor"] == "s=new;i=9"

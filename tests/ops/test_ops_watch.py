@@ -280,6 +280,7 @@ def test_following_a_growing_log(tmp_path):
 
 
 def test_journal_resumes_after_its_cursor(tmp_path):
-    assert journal_argv("/", True, "s=abc;i=1") == ["journalctl", "-k", "-o", "json", "--no-pager",
-                                                     "--after-cursor=s=abc;i=1", "-f"]
+    # no -k: it implies -b, which would skip the previous boot's unread tail (issue 25 item 11)
+    assert journal_argv("/", True, "s=abc;i=1") == ["journalctl", "_TRANSPORT=kernel", "-o", "json",
+                                                     "--no-pager", "--after-cursor=s=abc;i=1", "-f"]
     assert journal_argv(tmp_path, False, None)[-3:] == ["--root", str(tmp_path), "-b"]
