@@ -23,8 +23,11 @@ from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
 DEFAULT_CARD_RESOURCE = "R9700"
 HOST_LABEL = "r9k.host"          # Ray node label naming the host in the fleet file
-# Per-card RCCL defaults of every replica: TP=2 on two R9700s deadlocks without it.
+# RCCL defaults of every replica on R9700s (a model's env overrides them; `fleet status` shows
+# what each replica runs with): TP 2 deadlocks without the Simple protocol (vLLM issue 40980);
+# 4-card TP can hang the host through PCIe peer-to-peer (the reported workaround disables it).
 RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
+RCCL_TP4_DEFAULTS: dict[str, str] = {"NCCL_P2P_DISABLE": "1"}
 # vLLM flags the fleet sets itself from typed fields; in extra_args they would contradict them.
 _OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-model-name",
                 "--speculative-config", "--max-model-len", "--kv-cache-memory-bytes", "--api-key",

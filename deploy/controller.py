@@ -23,7 +23,7 @@ import aiohttp
 
 from r9k.deploy import ray_backend
 from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec
-from r9k.deploy.engine import engine_argv, engine_env, planned_pool, prove_pages
+from r9k.deploy.engine import engine_argv, engine_env, planned_pool, prove_pages, rccl_env
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
 from r9k.deploy.routing import EngineLoad
 from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
@@ -496,6 +496,7 @@ class FleetController(Backend):
             "outstanding": r.route.outstanding if r.route else 0,
             "served": r.route.served if r.route else 0,
             "pid": r.pid, "engine_pids": r.engine_pids, "history": r.history[-8:],
+            "rccl_env": rccl_env(m, self.cfg),
         }
 
     def status(self) -> dict[str, Any]:

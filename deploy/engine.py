@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from r9k import capacity
-from r9k.deploy.config import RAY_EXTRA_COPY, RCCL_DEFAULTS, FleetConfig, ModelSpec, split_args
+from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, ModelSpec,
+                               split_args)
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
@@ -29,6 +30,18 @@ def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) 
         state_dtype=model.state_dtype, extra_args=split_args(model.extra_args))
 
 
+def rccl_env(model: ModelSpec, cfg: FleetConfig) -> dict[str, str]:
+    """The RCCL settings a replica of ``model`` runs with: the fleet's defaults for its TP size
+    (`RCCL_DEFAULTS`, `RCCL_TP4_DEFAULTS`) under the model's own NCCL_* env."""
+    if cfg.platform != "gpu":
+        return {}
+    env = dict(RCCL_DEFAULTS)
+    if model.tp == 4:
+        env.update(RCCL_TP4_DEFAULTS)
+    env.update({k: v for k, v in model.env.items() if k.startswith(("NCCL_", "RCCL_"))})
+    return env
+
+
 def engine_env(model: ModelSpec, cfg: FleetConfig, assignment: Assignment,
                host_cards: list[str]) -> dict[str, str]:
     """The replica's runtime_env.env_vars: reaches the supervisor, the engine and its workers."""
@@ -36,7 +49,7 @@ def engine_env(model: ModelSpec, cfg: FleetConfig, assignment: Assignment,
 
     env: dict[str, str] = {}
     if cfg.platform == "gpu":
-        env.update(RCCL_DEFAULTS)
+        env.update(rccl_env(model, cfg))
         devices = hip_visible_devices(assignment.cards, host_cards)
         env["HIP_VISIBLE_DEVICES"] = devices
     elif assignment.cpu_bind:

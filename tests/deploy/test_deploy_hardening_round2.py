@@ -102,3 +102,26 @@ def test_item12_install_units_gives_the_controller_and_the_drain_hook_the_api_ke
                                     "--r9k-bin", r9k_bin, "--env-file", str(env)])
     assert ops.exit_code == 0, ops.output
     assert f"EnvironmentFile={env}" in (tmp_path / "ops" / "r9k-ops-watch.service").read_text()
+
+
+def test_item19_rccl_defaults_per_tp_size_overridable_and_shown():
+    """NCCL_PROTO=Simple on every R9700 replica (TP 2 deadlocks without it), NCCL_P2P_DISABLE=1
+    at TP 4 (4-card peer-to-peer can hang the host); a model's env overrides them; the same
+    dict goes into the replica's environment and the fleet status."""
+    from test_deploy_placement import fleet, model
+
+    from r9k.deploy.engine import engine_env, rccl_env
+    from r9k.deploy.placement import Assignment
+
+    cfg = fleet([model("two", 2, 1), model("four", 4, 1),
+                 model("own", 4, 1) | {"env": {"NCCL_P2P_DISABLE": "0"}}])
+    two, four, own = cfg.models
+    assert rccl_env(two, cfg) == {"NCCL_PROTO": "Simple"}
+    assert rccl_env(four, cfg) == {"NCCL_PROTO": "Simple", "NCCL_P2P_DISABLE": "1"}
+    assert rccl_env(own, cfg) == {"NCCL_PROTO": "Simple", "NCCL_P2P_DISABLE": "0"}
+    cards = [c.bdf for c in cfg.hosts[0].cards]
+    env = engine_env(four, cfg, Assignment("four-0", "four", "a", tuple(cards)), cards)
+    assert (env["NCCL_PROTO"], env["NCCL_P2P_DISABLE"]) == ("Simple", "1")
+    cpu = fleet([model("m", 1, 1)], platform="cpu",
+                hosts=[{"name": "a", "cards": [{"bdf": "0000:10:00.0", "cpu_bind": "0"}]}])
+    assert rccl_env(cpu.models[0], cpu) == {}
