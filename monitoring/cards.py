@@ -20,7 +20,7 @@ from r9k.ops import sysfs
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
 from r9k.ops.power import CardStatus, power_status
 from r9k.ops.state import (EVENT_TYPES, CardStates, HostEvent, StateFileError, card_presence, cards_dir,
-                           read_card_states, read_host_events)
+                           last_heartbeat, read_card_states, read_host_events)
 
 _SENSOR_FALLBACK = {"temp1": "edge", "temp2": "junction", "temp3": "mem"}
 _CLOCK_FALLBACK = {"freq1": "sclk", "freq2": "mclk"}
@@ -113,11 +113,24 @@ class CardCollector:
         yield from self._telemetry(cards)
         yield from self._events(cards, states)
         yield from self._unattributed(self._host_events())
+        yield from self._watcher()
         recovery = sysfs.recovery_status(self.host_root)
         off = _gauge("r9k_host_gpu_recovery_disabled",
                      "1 when amdgpu.gpu_recovery=0 is in effect (a hung MES wedges only its GPU).", [])
         off.add_metric([], 1.0 if recovery.in_effect else 0.0)
         yield off
+
+    def _watcher(self) -> Iterable[Metric]:
+        if self.state_dir is None:
+            return []
+        when = last_heartbeat(self.state_dir)
+        if when is None:
+            return []  # never ran here: absent, which OpsWatcherStale also catches
+        beat_gauge = _gauge("r9k_ops_watch_heartbeat_timestamp_seconds",
+                            "Unix time the ops kernel-log watcher last finished a poll (every "
+                            "--interval while it runs).", [])
+        beat_gauge.add_metric([], when)
+        return [beat_gauge]
 
     def _presence(self, config: OpsConfig, cards: dict) -> Iterable[Metric]:
         presence = card_presence(config, sorted(cards))

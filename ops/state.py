@@ -335,6 +335,23 @@ def atomic_write_json(path: Path, data: Any) -> None:
         raise
 
 
+HEARTBEAT_FILE = "watch-heartbeat"  # its mtime: when the watcher last finished a poll
+
+
+def beat(state_dir: str | os.PathLike) -> None:
+    """The watcher's heartbeat: touch the file (no fsync; a missed beat is what the alert is for)."""
+    with contextlib.suppress(OSError):
+        (Path(state_dir) / HEARTBEAT_FILE).touch()
+
+
+def last_heartbeat(state_dir: str | os.PathLike) -> float | None:
+    """Unix time of the watcher's last finished poll, or None when it never ran here."""
+    try:
+        return (Path(state_dir) / HEARTBEAT_FILE).stat().st_mtime
+    except OSError:
+        return None
+
+
 def write_probe(state_dir: str | os.PathLike) -> None:
     """Create the state dir if needed and write, sync and remove a file in it and in cards/:
     raises OSError (read-only, full, not permitted) where a later fault record would fail."""

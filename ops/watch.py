@@ -34,7 +34,7 @@ from r9k.ops import sysfs
 from r9k.ops.config import hook_problem
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
-    DEFAULT_FAULT_EVENTS, LastEvent, StateFileError, atomic_write_json, cap_message, read_card_states,
+    DEFAULT_FAULT_EVENTS, LastEvent, StateFileError, atomic_write_json, beat, cap_message, read_card_states,
     record_host_event, update_card_state,
 )
 
@@ -482,6 +482,7 @@ class Watcher:
                 self.cursor_error = None
             except OSError as exc:  # a restart re-reads; saved events say "already counted"
                 self.cursor_error = f"log position not saved to {self.state_dir}: {exc.strerror or exc}"
+            beat(self.state_dir)
         return seen
 
     def _handle(self, event: KernelEvent) -> Seen:

@@ -97,3 +97,29 @@ def test_guesses_cannot_starve_a_scrape(hashed, monkeypatch):
         gate.set()
         server.shutdown()
         server.server_close()
+
+
+def test_item16_the_watchers_heartbeat_is_exported(tmp_path):
+    """Issue 25 item 16: the watcher touches watch-heartbeat at every poll; the exporter exports
+    its time (alert OpsWatcherStale, promtool cases in r9k.rules.test.yml); absent when the
+    watcher never ran there."""
+    import os
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from doubles.monitored_host import build_monitored_host
+    from r9k.monitoring.exporter import build_collector, build_registry, render
+    from r9k.ops.state import HEARTBEAT_FILE
+
+    root, state, config = build_monitored_host(tmp_path)  # the real watcher polled a log there
+
+    def exported():
+        text = render(build_registry(build_collector(root, state, config)))
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    beat = (state / HEARTBEAT_FILE).stat().st_mtime
+    assert exported()["r9k_ops_watch_heartbeat_timestamp_seconds"] == beat
+    os.utime(state / HEARTBEAT_FILE, (beat - 600, beat - 600))  # a watcher that stopped 10 min ago
+    assert exported()["r9k_ops_watch_heartbeat_timestamp_seconds"] == beat - 600
+    (state / HEARTBEAT_FILE).unlink()
+    assert "r9k_ops_watch_heartbeat_timestamp_seconds" not in exported()
