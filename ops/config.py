@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import Field, BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
 from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
                                 validation_message)
@@ -59,6 +59,17 @@ class OpsConfig(BaseModel):
     fault_events: list[StrictStr] = list(DEFAULT_FAULT_EVENTS)
     # An int: at least that many amdgpu cards; a list: these PCI addresses must all be present.
     expected_cards: Union[StrictInt, list[StrictStr]] = 1
+    # A cap that reads back is not always enforced (LACT issue 506): drawing more than the cap
+    # plus this margin for this long is drift, and reconcile writes the cap again.
+    cap_draw_margin_watts: StrictInt = Field(default=15, ge=1, le=200)
+    cap_draw_window_s: Union[StrictInt, StrictFloat] = 60
+
+    @field_validator("cap_draw_window_s")
+    @classmethod
+    def _window_positive(cls, value: float) -> float:
+        if not 0 < value <= 3600:
+            raise ValueError(f"expected seconds in (0, 3600], got {value}")
+        return value
 
     @field_validator("hook_timeout_s")
     @classmethod

@@ -43,6 +43,7 @@ class CardStatus:
     healthy: bool = True
     unhealthy_reason: str | None = None
     fenced: bool = False
+    power_watts: float | None = None  # measured draw (power1_average, else power1_input)
     drift: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
@@ -218,6 +219,7 @@ def power_status(
             healthy=st.healthy if st else card.bdf not in unreadable,
             unhealthy_reason=st.unhealthy_reason if st else fenced.get(card.bdf),
             fenced=card.bdf in fenced,
+            power_watts=card.power_watts,
             errors=list(card.errors),
         )
         if wanted is not None and not status.fenced:
@@ -258,11 +260,12 @@ def choose_backend(config: OpsConfig, override: str | None = None) -> Backend:
                    client, gpu_ids)
 
 
-def _apply_sysfs(card: Card, plan: CardPlan, deadline: float, actions: list[str]) -> Card:
+def _apply_sysfs(card: Card, plan: CardPlan, deadline: float, actions: list[str],
+                 force_cap: bool = False) -> Card:
     def attempt() -> Card:
         fresh = sysfs.refresh(card)
         sysfs.check_ready(fresh)
-        if plan.cap_watts is not None and fresh.cap_watts != plan.cap_watts:
+        if plan.cap_watts is not None and (force_cap or fresh.cap_watts != plan.cap_watts):
             sysfs.write_cap_watts(fresh, plan.cap_watts)
             actions.append(f"sysfs power1_cap={plan.cap_watts * 1_000_000}")
         if plan.offset_mv is not None and fresh.offset_mv != plan.offset_mv:
@@ -326,6 +329,7 @@ def apply_power(
     wait_s: float = 30.0,
     settle_s: float = 2.0,
     only: set[str] | None = None,
+    force_cap: set[str] | None = None,
 ) -> ApplyReport:
     """Apply the wanted settings to every managed card (or ``only`` those), then verify from sysfs.
 
@@ -369,7 +373,7 @@ def apply_power(
             if backend.name == "lact":
                 _apply_lact(backend, ready[bdf], plan, settle_s, actions[bdf])
             else:
-                _apply_sysfs(ready[bdf], plan, deadline, actions[bdf])
+                _apply_sysfs(ready[bdf], plan, deadline, actions[bdf], bdf in (force_cap or ()))
         except (NotReady, LactError, OSError) as exc:
             errors[bdf] = str(exc)
 
@@ -410,9 +414,24 @@ def _checked(card: Card) -> Card:
 
 @dataclass
 class ReconcileState:
-    """What the loop remembers between rounds: reset counts seen per card."""
+    """What the loop remembers between rounds: reset counts seen per card, and since when (monotonic)
+    each card has drawn more than its cap plus the margin."""
 
     resets_seen: dict[str, int] = field(default_factory=dict)
+    over_cap_since: dict[str, float] = field(default_factory=dict)
+
+
+def _over_cap_too_long(config: OpsConfig, status: CardStatus, memory: ReconcileState) -> bool:
+    """A card whose cap reads back right but that draws more than cap + margin, for the window."""
+    cap = status.wanted_cap_watts
+    if cap is None or status.power_watts is None or status.drift:
+        memory.over_cap_since.pop(status.bdf, None)
+        return False
+    if status.power_watts <= cap + config.cap_draw_margin_watts:
+        memory.over_cap_since.pop(status.bdf, None)
+        return False
+    since = memory.over_cap_since.setdefault(status.bdf, time.monotonic())
+    return time.monotonic() - since >= config.cap_draw_window_s
 
 
 def reconcile_once(
@@ -430,7 +449,7 @@ def reconcile_once(
     memory = memory or ReconcileState()
     statuses = power_status(config, host_root, state_dir)
     states = read_card_states(state_dir) if state_dir else {}
-    redo = set()
+    redo, force = set(), set()
     for status in statuses:
         if not status.managed or status.fenced or status.card is None:
             continue
@@ -440,12 +459,14 @@ def reconcile_once(
             resets = counts.get("reset_succeeded", 0) + counts.get("reset_begin", 0)
         reset_since = resets > memory.resets_seen.get(status.bdf, resets)
         memory.resets_seen[status.bdf] = resets
-        if status.drift or reset_since:
+        if _over_cap_too_long(config, status, memory):
+            force.add(status.bdf)
+        if status.drift or reset_since or status.bdf in force:
             redo.add(status.bdf)
     if redo:
         try:
             report = apply_power(config, host_root, state_dir, backend_override, wait_s=settle_s,
-                                 settle_s=settle_s, only=redo)
+                                 settle_s=settle_s, only=redo, force_cap=force)
         except BackendError as exc:  # lactd down for now: this round's drift, the next tries again
             for status in statuses:
                 if status.bdf in redo:
@@ -453,6 +474,12 @@ def reconcile_once(
             _record_power(state_dir, statuses)
             return statuses, []
         after = {c.bdf: c for c in report.cards}
+        for bdf in force:  # what made the round write the cap again: drift of this round
+            memory.over_cap_since.pop(bdf, None)
+            over = next(s for s in statuses if s.bdf == bdf)
+            after[bdf].drift.insert(0, f"drew {over.power_watts:g} W, over its {over.wanted_cap_watts} W cap by "
+                                       f"more than {config.cap_draw_margin_watts} W for "
+                                       f"{config.cap_draw_window_s:g} s: cap written again")
         statuses = [after.get(s.bdf, s) for s in statuses]
     else:
         _record_power(state_dir, statuses)

@@ -266,3 +266,25 @@ def test_item11_an_unusable_journal_cursor_falls_back_and_says_so(tmp_path, monk
     assert first.startswith("_TRANSPORT=kernel -o json") and "--after-cursor=s=gone;i=1" in first
     assert second.endswith("-b") and "-k" not in second.split()
     assert json.loads((state / CURSOR_FILE).read_text())["journal"]["cursor"] == "s=new;i=9"
+
+
+def test_item18_a_cap_that_reads_back_but_is_not_enforced_is_written_again(tmp_path):
+    """LACT issue 506: power1_cap reads 210 W but the card draws 262 W. Drawing more than cap +
+    cap_draw_margin_watts for cap_draw_window_s is drift: reconcile writes the cap again and
+    says why; a card under its cap is left alone."""
+    host = build_host_tree(tmp_path / "host", [
+        CardSpec(A, cap_watts=210, voltage_offset_mv=-42, power_draw_watts=262.0),
+        CardSpec(B, cap_watts=210, voltage_offset_mv=-42, power_draw_watts=200.0)])
+    cfg = _config(tmp_path / "ops.yaml", CONFIG + "cap_draw_margin_watts: 15\ncap_draw_window_s: 0.05\n")
+    result = CliRunner().invoke(main, ["ops", "reconcile", "--interval", "0.03", "--count", "6",
+                                       "--settle-seconds", "0.2", "--json", "--config", str(cfg),
+                                       "--host-root", str(host), "--state-dir", str(tmp_path / "state")])
+    rounds = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rounds) == 6, result.output
+    forced = [r for r in rounds if A in r["reapplied"]]
+    assert forced and B not in {b for r in rounds for b in r["reapplied"]}
+    card = next(c for c in forced[0]["cards"] if c["bdf"] == A)
+    assert card["drift"][0] == ("drew 262 W, over its 210 W cap by more than 15 W for 0.05 s: "
+                                "cap written again")
+    assert "sysfs power1_cap=210000000" in card["actions"]
+    assert rounds[0]["reapplied"] == []  # one round over the cap is not yet the window
