@@ -54,7 +54,9 @@ class Speculative(_Strict):
 
 
 class ModelSpec(_Strict):
-    name: StrictStr = Field(min_length=1)            # served model name (the `model` of requests)
+    # served model name (the `model` of requests): printable, no blanks (a newline passed the
+    # check, then broke every request line and log entry naming it)
+    name: StrictStr = Field(min_length=1, max_length=200, pattern=r"^[!-~]+$")
     path: StrictStr = Field(min_length=1)            # local directory with config.json, on every host
     replicas: StrictInt = Field(default=1, ge=0)
     tp: StrictInt = 1

@@ -49,6 +49,42 @@ class Backend(Protocol):
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
 
 
+MAX_JSON_DEPTH = 64
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; ValueError for anything else: not UTF-8, not JSON, not
+    an object, or nested deeper than MAX_JSON_DEPTH (Python's parser would recurse until
+    RecursionError, a 500)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError("not UTF-8") from exc
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:  # brackets outside strings: bounded before the recursive parser runs
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                raise ValueError("nested too deep")
+        elif ch in "]}":
+            depth -= 1
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    return doc
+
+
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
@@ -104,7 +140,9 @@ class EntryPoint:
         if not self.api_key:
             return True
         given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        # headers arrive as text with any bytes kept (surrogates): never an error here
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   f"Bearer {self.api_key}".encode())
 
     async def health(self, request: web.Request) -> web.Response:
         ready = sum(len(self.backend.routes(m)) for m in self.backend.model_names())
@@ -130,10 +168,10 @@ class EntryPoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         try:
-            body = await request.json() if request.can_read_body else {}
-        except json.JSONDecodeError:
-            return _error(400, "expected a JSON object", "BadRequest")
-        status, payload = await self.backend.admin(request.match_info["action"], body or {})
+            body = _json_object(await request.read()) if request.can_read_body else {}
+        except ValueError:
+            return _error(400, "expected a JSON object (UTF-8, at most 64 levels deep)", "BadRequest")
+        status, payload = await self.backend.admin(request.match_info["action"], body)
         return web.json_response(payload, status=status)
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
@@ -146,10 +184,11 @@ class EntryPoint:
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         body = await request.read()
         try:
-            doc = json.loads(body)
+            doc = _json_object(body)
             model = doc.get("model")
-        except (json.JSONDecodeError, AttributeError):
-            return _error(400, "expected a JSON object with a `model` field", "BadRequest")
+        except ValueError:
+            return _error(400, "expected a JSON object with a `model` field (UTF-8, at most 64 "
+                          "levels deep)", "BadRequest")
         key = prefix_key(doc, self.prefix_chars) if self.routing == "prefix-affinity" else None
         names = self.backend.model_names()
         if model not in names:

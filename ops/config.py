@@ -115,6 +115,9 @@ class OpsConfig(BaseModel):
         for name in events:
             if name not in EVENT_TYPES:
                 raise ValueError(f"unknown event {name!r}, expected one of {', '.join(EVENT_TYPES)}")
+        if "mes_timeout" not in events:  # `[]` would silently turn fencing off
+            raise ValueError("expected a list that includes mes_timeout (the fault R9700 hosts "
+                             f"hang on); the default is {', '.join(DEFAULT_FAULT_EVENTS)}")
         return events
 
     def hook_argvs(self) -> list[list[str]]:

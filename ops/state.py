@@ -370,7 +370,9 @@ def write_probe(state_dir: str | os.PathLike) -> None:
 def _locked(state_dir: str | os.PathLike) -> Iterator[None]:
     directory = cards_dir(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as lock:
+    # O_NOFOLLOW: a planted `.lock` symlink must not make root create or open a file elsewhere
+    fd = os.open(directory / ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

@@ -13,12 +13,14 @@ once per change of a card from healthy to unhealthy, each with the configured ti
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -417,13 +419,21 @@ def run_hooks(hooks: list[list[str]], event: KernelEvent, timeout_s: float = 60.
             runs.append(HookRun(argv, None, f"not run: {problem}", event.bdf, event.type, 0.0))
             continue
         try:
-            proc = subprocess.run(argv, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            error = proc.stderr.decode(errors="replace").strip()[-200:] or None if proc.returncode else None
+            # its own process group: a hook killed on timeout takes its children with it
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                _, stderr = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                runs.append(HookRun(argv, None, f"timed out after {timeout_s:g} s (killed with its "
+                                    "process group)", event.bdf, event.type,
+                                    round(time.monotonic() - started, 3)))
+                continue
+            error = stderr.decode(errors="replace").strip()[-200:] or None if proc.returncode else None
             runs.append(HookRun(argv, proc.returncode, error, event.bdf, event.type,
-                                round(time.monotonic() - started, 3)))
-        except subprocess.TimeoutExpired:
-            runs.append(HookRun(argv, None, f"timed out after {timeout_s:g} s (killed)", event.bdf, event.type,
                                 round(time.monotonic() - started, 3)))
         except OSError as exc:
             runs.append(HookRun(argv, None, str(exc), event.bdf, event.type, round(time.monotonic() - started, 3)))

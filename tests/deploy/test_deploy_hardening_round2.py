@@ -125,3 +125,46 @@ def test_item19_rccl_defaults_per_tp_size_overridable_and_shown():
     cpu = fleet([model("m", 1, 1)], platform="cpu",
                 hosts=[{"name": "a", "cards": [{"bdf": "0000:10:00.0", "cpu_bind": "0"}]}])
     assert rccl_env(cpu.models[0], cpu) == {}
+
+
+def test_item15_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
+    """Invalid UTF-8 bodies, JSON nested 100 000 deep (RecursionError in Python's parser), an
+    Authorization header with non-ASCII bytes, a non-object admin body: 400 or 401, no 500."""
+    import http.client
+
+    from aiohttp import web
+
+    from doubles.entry_fleet import LoopServers, Table
+    from r9k.deploy.entry import MAX_JSON_DEPTH, EntryPoint, _json_object
+
+    servers = LoopServers()
+    url = servers.entry(EntryPoint(Table([]), api_key="fleet-key"))
+    host, port = url.removeprefix("http://").split(":")
+
+    def raw(path: str, body: bytes, auth: bytes = b"Bearer fleet-key") -> int:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.putrequest("POST", path)
+        conn.putheader("Authorization", auth)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    try:
+        assert raw("/v1/completions", b'{"model": "m", "prompt": "caf\xe9"}') == 400
+        assert raw("/v1/completions", b"[" * 100_000 + b"]" * 100_000) == 400
+        assert raw("/v1/completions", b'{"model": "m"}', auth=b"Bearer caf\xc3\xa9\xff") == 401
+        assert raw("/fleet/drain", b'["not", "an", "object"]') == 400
+        assert raw("/fleet/drain", b"\xff\xfe") == 400
+    finally:
+        servers.close()
+    nested = {"k": 1}
+    for _ in range(MAX_JSON_DEPTH - 1):
+        nested = {"k": nested}
+    assert _json_object(__import__("json").dumps(nested).encode()) == nested  # at the limit: fine
+
+
+def test_item15_a_model_name_with_a_newline_or_blank_is_refused():
+    for bad in ("tiny\nX-Injected: 1", "two words", ""):
+        assert "models.0.name" in refused(fleet_text(models=[dict(MODEL, name=bad)]))

@@ -288,3 +288,49 @@ def test_item18_a_cap_that_reads_back_but_is_not_enforced_is_written_again(tmp_p
                                 "cap written again")
     assert "sysfs power1_cap=210000000" in card["actions"]
     assert rounds[0]["reapplied"] == []  # one round over the cap is not yet the window
+
+
+def test_item15_hook_children_fault_events_and_a_planted_lock_symlink(tmp_path):
+    """A hook killed on timeout takes its children with it (process group); `fault_events: []`
+    (fencing silently off) is refused; a `.lock` symlink planted in the state dir does not make
+    root create a file where it points."""
+    import time
+
+    from r9k.ops.config import parse_config
+    from r9k.ops.kernlog import KernelEvent
+    from r9k.ops.state import cards_dir, update_card_state
+    from r9k.ops.watch import run_hooks
+
+    child_pid = tmp_path / "child.pid"
+    script = tmp_path / "hooks" / "spawner.sh"
+    script.parent.mkdir()
+    script.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {child_pid}\nwait\n")
+    os.chmod(script, 0o755)
+    event = KernelEvent(type="mes_timeout", bdf=A, message="MES failed", stream="file", ordinal=1,
+                        attribution="prefix")
+    runs = run_hooks([[str(script)]], event, timeout_s=0.5)
+    assert "timed out after 0.5 s (killed with its process group)" in runs[0].error
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        status = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+        if status == "Z":  # reaped by init later: dead already
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the hook's child {pid} outlived the timeout")
+
+    with pytest.raises(ValueError, match="fault_events: expected a list that includes mes_timeout"):
+        parse_config("fault_events: []\n")
+
+    state = tmp_path / "state"
+    cards_dir(state).mkdir(parents=True)
+    target = tmp_path / "elsewhere"
+    os.symlink(target, cards_dir(state) / ".lock")
+    with pytest.raises(OSError):
+        update_card_state(state, A, lambda s: None)
+    assert not target.exists()
