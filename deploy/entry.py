@@ -95,6 +95,7 @@ class EntryPoint:
         self.backend = backend
         self.api_key = api_key
         self.proxy_timeout_s = proxy_timeout_s
+        self.body_timeout_s = BODY_TIMEOUT_S
         choose([], routing, 0.0)  # a bad policy name fails here, at start
         self.routing = routing
         self.prefix_chars = prefix_chars
@@ -168,7 +169,12 @@ class EntryPoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         try:
-            body = _json_object(await request.read()) if request.can_read_body else {}
+            raw = (await asyncio.wait_for(request.read(), self.body_timeout_s)
+                   if request.can_read_body else b"{}")
+            body = _json_object(raw)
+        except asyncio.TimeoutError:
+            return _error(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                          "RequestTimeout")
         except ValueError:
             return _error(400, "expected a JSON object (UTF-8, at most 64 levels deep)", "BadRequest")
         status, payload = await self.backend.admin(request.match_info["action"], body)
@@ -182,7 +188,11 @@ class EntryPoint:
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
-        body = await request.read()
+        try:
+            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            return _error(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                          "RequestTimeout")
         try:
             doc = _json_object(body)
             model = doc.get("model")
@@ -300,8 +310,94 @@ def _outcome(response: web.StreamResponse) -> str:
     return "rejected" if response.status < 500 else "errored"
 
 
-async def serve(entry: EntryPoint, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(entry.app, access_log=None)
+# Slow or idle clients must not starve normal ones: a connection's first request headers arrive
+# within HEADER_TIMEOUT_S, a body within BODY_TIMEOUT_S (408), at most MAX_CONNECTIONS
+# connections are open (more are closed at once), idle keep-alive connections close after
+# KEEPALIVE_S; bodies over 64 MiB get 413 (client_max_size).
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 1024
+KEEPALIVE_S = 75.0
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, behind a connection count and a header deadline."""
+
+    def __init__(self, inner: asyncio.Protocol, site: "_GuardedSite") -> None:
+        self.inner, self.site = inner, site
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.tail = b""
+        self.counted = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self.site.open_connections >= self.site.max_connections:
+            self.site.refused += 1
+            transport.close()
+            return
+        self.site.open_connections += 1
+        self.counted = True
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def _arm(self) -> None:
+        self.timer = asyncio.get_running_loop().call_later(self.site.header_timeout_s, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self.site.timed_out += 1
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.counted:
+            return
+        if self.timer is not None:
+            seen = self.tail + data
+            if b"\r\n\r\n" in seen:  # the headers are complete: the body has its own deadline
+                self.timer.cancel()
+                self.timer = None
+            self.tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.counted else None
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.counted:
+            self.counted = False
+            self.site.open_connections -= 1
+            self.inner.connection_lost(exc)
+
+
+class _GuardedSite(web.TCPSite):
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, max_connections: int,
+                 header_timeout_s: float) -> None:
+        super().__init__(runner, host, port)
+        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
+        self.open_connections = self.refused = self.timed_out = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        factory = self._runner.server
+        assert factory is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _GuardedConnection(factory(), self), self._host, self._port,
+            reuse_address=True, backlog=self._backlog)
+
+
+async def serve(entry: EntryPoint, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+                header_timeout_s: float = HEADER_TIMEOUT_S) -> web.AppRunner:
+    runner = web.AppRunner(entry.app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await _GuardedSite(runner, host, port, max_connections=max_connections,
+                       header_timeout_s=header_timeout_s).start()
     return runner

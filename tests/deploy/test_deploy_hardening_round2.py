@@ -168,3 +168,47 @@ def test_item15_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
 def test_item15_a_model_name_with_a_newline_or_blank_is_refused():
     for bad in ("tiny\nX-Injected: 1", "two words", ""):
         assert "models.0.name" in refused(fleet_text(models=[dict(MODEL, name=bad)]))
+
+
+def test_item7_slow_clients_do_not_starve_normal_ones():
+    """Clients that open connections and trickle headers, or send a body slowly: the header
+    deadline closes them, the connection limit closes the surplus at once, a slow body gets 408;
+    a normal request is answered throughout."""
+    import asyncio
+    import socket
+    import time
+
+    from doubles.entry_fleet import LoopServers, Table
+    from r9k.deploy.entry import EntryPoint, serve
+    from r9k.devtools.demo import free_port
+    from r9k.http_client import http_request
+
+    servers = LoopServers()
+    entry = EntryPoint(Table([]))
+    entry.body_timeout_s = 0.5
+    port = free_port()
+    servers.runners.append(servers.run(serve(entry, "127.0.0.1", port, max_connections=8,
+                                             header_timeout_s=0.5)))
+    url = f"http://127.0.0.1:{port}"
+    slow = []
+    try:
+        for _ in range(8):  # every connection slot taken by a client that never finishes its headers
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            slow.append(s)
+        time.sleep(0.1)
+        surplus = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert surplus.recv(1) == b""  # closed at once: over the limit
+        surplus.close()
+        time.sleep(0.7)  # past the header deadline: the slow ones are closed
+        assert all(s.recv(1) == b"" for s in slow)
+        assert http_request(url + "/health", timeout_s=5).status == 503  # served again (no replica)
+        body_slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+        body_slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        reply = body_slow.recv(200)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        body_slow.close()
+    finally:
+        for s in slow:
+            s.close()
+        servers.close()
