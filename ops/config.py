@@ -64,16 +64,9 @@ class OpsConfig(BaseModel):
     cap_draw_margin_watts: StrictInt = Field(default=15, ge=1, le=200)
     cap_draw_window_s: Union[StrictInt, StrictFloat] = 60
 
-    @field_validator("cap_draw_window_s")
+    @field_validator("hook_timeout_s", "cap_draw_window_s")
     @classmethod
-    def _window_positive(cls, value: float) -> float:
-        if not 0 < value <= 3600:
-            raise ValueError(f"expected seconds in (0, 3600], got {value}")
-        return value
-
-    @field_validator("hook_timeout_s")
-    @classmethod
-    def _timeout_positive(cls, value: float) -> float:
+    def _seconds_in_range(cls, value: float) -> float:
         if not 0 < value <= 3600:
             raise ValueError(f"expected seconds in (0, 3600], got {value}")
         return value
@@ -139,6 +132,8 @@ _EXPECTED = {
     "voltage_offset_mv": "a YAML integer of millivolts such as -42 (no quotes, no unit)",
     "backend": "one of auto, lact, sysfs",
     "hook_timeout_s": "a YAML number of seconds such as 30",
+    "cap_draw_window_s": "a YAML number of seconds such as 60",
+    "cap_draw_margin_watts": "a YAML integer of watts such as 15",
     "expected_cards": "a card count such as 4, or a list of PCI addresses",
 }
 
