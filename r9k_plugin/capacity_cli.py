@@ -19,7 +19,7 @@ GIB = 1 << 30
 @click.option("--tp", type=int, default=1, show_default=True, help="tensor-parallel size")
 @click.option("--num-spec", type=int, required=True,
               help="speculative tokens k per step (0: no speculative decoding)")
-@click.option("--kv-gib-per-rank", type=FiniteFloat(0, 1 << 20, min_open=True), help="KV cache memory per rank in GiB")
+@click.option("--kv-gib-per-rank", type=FiniteFloat(), help="KV cache memory per rank in GiB")
 @click.option("--kv-bytes-per-rank", type=int, help="KV cache memory per rank in bytes")
 @click.option("--max-model-len", type=int, required=True, help="tokens per request")
 @click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]),

@@ -86,8 +86,11 @@ def test_growing_gauge_fails_the_memory_verdict(fake, tmp_path):
 def test_endpoint_dying_mid_soak_stops_early_with_partial_results(fake, tmp_path):
     out = tmp_path / "soak.json"
     fake.behaviour = {"die_after": 40}
+    # --timeout 5: a request caught on a connection the dying server never closes waits that
+    # long, not the default 600 s (seen once in CI under load: wall 600.8 s)
     r = run("--endpoint", fake.url, "--clients", "8", "--duration", "30", "--min-tokens", "8",
-            "--max-tokens", "64", "--max-output-tokens", "4", "--quiet", "--out", str(out))
+            "--max-tokens", "64", "--max-output-tokens", "4", "--timeout", "5", "--quiet",
+            "--out", str(out))
     assert r.exit_code == 1
     s = json.loads(out.read_text())
     assert s["stopped_early"] and "stopped answering" in s["stopped_early"]
