@@ -49,7 +49,6 @@ from typing import Any
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 MAX_MODEL_LEN = 4096
-GIB = 1 << 30
 MIB = 1 << 20
 
 # The models: the default tiny one, and a shape with the 27B's per-rank GDN heads at TP2 (8 key

@@ -132,8 +132,6 @@ def test_item15_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
     Authorization header with non-ASCII bytes, a non-object admin body: 400 or 401, no 500."""
     import http.client
 
-    from aiohttp import web
-
     from doubles.entry_fleet import LoopServers, Table
     from r9k.deploy.entry import MAX_JSON_DEPTH, EntryPoint, _json_object
 
@@ -174,7 +172,6 @@ def test_item7_slow_clients_do_not_starve_normal_ones():
     """Clients that open connections and trickle headers, or send a body slowly: the header
     deadline closes them, the connection limit closes the surplus at once, a slow body gets 408;
     a normal request is answered throughout."""
-    import asyncio
     import socket
     import time
 
