@@ -61,6 +61,7 @@ CHAT_TEMPLATE = (
 EMBED_STD = 1.0
 LOGIT_STD = 2.0
 GDN_PROJ_STD = 0.1
+GDN_OUT_FAN_IN = 256  # the default shape's value dim (4 heads x 64): its out_proj keeps GDN_PROJ_STD
 MTP_LAYER_STD = 0.002
 
 
@@ -173,10 +174,16 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:
     weights["model.embed_tokens.weight"] = embed
     weights["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
     # Make the GDN layers matter to the output, so a wrong state bit shows up in the tokens.
+    # out_proj's scale follows its fan-in (the value heads), so a GDN layer adds as much to the
+    # residual at the 27B's 24 x 128 value heads as at the default's 4 x 64: the output stays a
+    # loop the MTP head can follow (full acceptance at k = 7), not GDN noise.
     for name in list(weights):
         if ".linear_attn." in name and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight",
                                                          "out_proj.weight")):
-            weights[name] = torch.randn(weights[name].shape, generator=gen) * GDN_PROJ_STD
+            shape = weights[name].shape
+            std = GDN_PROJ_STD * (math.sqrt(GDN_OUT_FAN_IN / shape[1])
+                                  if name.endswith("out_proj.weight") else 1.0)
+            weights[name] = torch.randn(shape, generator=gen) * std
     if "lm_head.weight" not in model.state_dict():
         raise RuntimeError("transformers' Qwen3-Next has no lm_head.weight")
 

@@ -79,3 +79,26 @@ def test_cli_bad_overrides_exit_2_and_write_nothing(tmp_path, override, message)
     assert res.exit_code == 2, res.output
     assert message in res.output
     assert not out.exists()
+
+
+def test_gdn_out_proj_scale_follows_the_value_heads(tmp_path):
+    """A GDN layer adds as much to the residual at the 27B's value heads (24 x 128) as at the
+    default's (4 x 64): out_proj's std is 0.1 x sqrt(256 / value dim), the default's 0.1."""
+    import math
+
+    from r9k.devtools.tiny_model import GDN_PROJ_STD
+
+    stds = {}
+    for name, over in (("default", {}), ("wide", {"linear_num_value_heads": 24,
+                                                  "linear_value_head_dim": 128,
+                                                  "linear_num_key_heads": 8,
+                                                  "linear_key_head_dim": 128})):
+        make_tiny(tmp_path / name, seed=0, overrides=over)
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
+            w = f.get_tensor("model.layers.0.linear_attn.out_proj.weight").float()
+            qkvz = f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").float()
+        stds[name] = (w.shape[1], w.std().item(), qkvz.std().item())
+    assert stds["default"][0] == 256 and stds["wide"][0] == 3072
+    assert abs(stds["default"][1] - GDN_PROJ_STD) < 0.005
+    assert abs(stds["wide"][1] - GDN_PROJ_STD * math.sqrt(256 / 3072)) < 0.002
+    assert abs(stds["wide"][2] - GDN_PROJ_STD) < 0.005  # in_proj keeps its scale

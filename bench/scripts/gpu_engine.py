@@ -113,8 +113,23 @@ PLANS = {"matrix": matrix, "smoke": smoke}
 CONTROL = "stock-blk"
 
 
-def modes(cell: Cell) -> tuple[str, ...]:
-    return ("stock", "onepage", CONTROL) if cell.prefix_caching else ("stock", "onepage")
+# "again" reruns the engine one-page is compared with (CONTROL, or stock without prefix
+# caching) in a fresh process: whether two identical engines agree at all (`--repeat`).
+AGAIN = "again"
+# Triton autotuning (vLLM's FLA prefill kernels) times its configs in each process and may keep
+# another config (another summation order) in another engine: `--autotune first` takes the first
+# valid config everywhere (vLLM's VLLM_TRITON_FORCE_FIRST_CONFIG), so engines stay comparable.
+AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {}}
+
+
+def modes(cell: Cell, repeat: bool = False) -> tuple[str, ...]:
+    ms = ("stock", "onepage", CONTROL) if cell.prefix_caching else ("stock", "onepage")
+    return ms + (AGAIN,) if repeat else ms
+
+
+def reference(cell_prefix_caching: bool) -> str:
+    """The mode one-page's token ids are compared with (and AGAIN reruns)."""
+    return CONTROL if cell_prefix_caching else "stock"
 
 
 # --- the engines ---------------------------------------------------------------------------------
@@ -131,8 +146,12 @@ def platform() -> str:
 # preempt; "roomy" admits every scenario's requests at once in both engines (max_num_seqs 8),
 # so both engines schedule the same steps. GPU kernels are not batch-invariant (vLLM's batch
 # invariant mode does not cover GDN): where two engines schedule differently (admission,
-# preemption, prefix-hit lengths), two stock engines differ too.
-POOLS = {"small": 1.2, "roomy": 8.5}
+# preemption, prefix-hit lengths), two stock engines differ too. "forced" is the roomy pool
+# with vLLM's preemption made to run at points the token stream fixes
+# (r9k.bench.forced_preemption): both engines preempt the same requests at the same steps.
+POOLS = {"small": 1.2, "roomy": 8.5, "forced": 8.5}
+FORCED_AFTER_TOKENS = 8
+FORCED_SCHEDULER = "r9k.bench.forced_preemption.forced_preemption_scheduler"
 
 
 def pool_bytes(model_path: pathlib.Path, cell: Cell, pool: str = "small") -> int:
@@ -165,14 +184,24 @@ def planner(model_path: pathlib.Path, cell: Cell, kv_bytes: int) -> dict[str, di
 # Long generations fall into loops the MTP head predicts: full acceptance at k = 7. No
 # one-token prompt: vLLM 0.32 under FULL_DECODE_ONLY graphs ran a fresh one-token prompt as a
 # decode on its recycled state page (stock's answer changed with the page's history; H200).
-LONG = [{"name": "long", "kind": "batch", "max_tokens": 160,
+LONG = [{"name": "long", "kind": "batch", "max_tokens": 256,
          "prompts": ["alpha beta alpha beta", "page state page state", "xy", "token token",
                      "state " * 40, "ab" * 100]}]
 
 
+def prefix_scenarios(block: int) -> list[dict]:
+    """engine_scenarios' prefix scenarios at a block size: a shared prefix of three blocks and
+    more, prompts ending just under block ends (at 448-token blocks its 800-token default prefix
+    got no hits)."""
+    from r9k.devtools import engine_scenarios as es
+
+    return es.prefix_scenarios(shared=es.prompt(3 * block + 100, 301),
+                               near_ends=(block - 6, 2 * block - 6, 3 * block - 6))
+
+
 def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                 gpu_memory_utilization: float, block_size: int | None = None,
-                pool: str = "small"):
+                pool: str = "small", prefix_block: int = 256, autotune: str = "first"):
     from r9k.devtools import engine_scenarios as es
     from r9k.devtools.engine_runs import EngineSpec
 
@@ -186,12 +215,15 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
         kwargs["block_size"] = block_size
     if cell.graphs == "fdo":
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
-    env = dict(GPU_RUN_ENV)
+    env = dict(GPU_RUN_ENV, **AUTOTUNE_ENV[autotune])
     if cell.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if pool == "forced":
+        env["R9K_FORCED_PREEMPT_AFTER_TOKENS"] = str(FORCED_AFTER_TOKENS)
+        kwargs["scheduler_cls"] = FORCED_SCHEDULER
     crowd = es.preempt_scenarios() if pool == "small" else []
     scenarios = es.scenarios() + LONG + [dict(sc, name=f"pc-{sc['name']}") for sc in
-                                         es.prefix_scenarios() + crowd]
+                                         prefix_scenarios(prefix_block) + crowd]
     return EngineSpec(model=str(model_path), num_spec=cell.k,
                       gdn_state="onepage" if mode == "onepage" else "stock",
                       kv_cache_memory_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
@@ -202,18 +234,21 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
 
 
 def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, util: float,
-               workdir: pathlib.Path, pool: str = "small") -> dict[str, Any]:
+               workdir: pathlib.Path, pool: str = "small", autotune: str = "first"
+               ) -> dict[str, Any]:
     from r9k.devtools import engine_runs
 
     model_path = models / cell.model
     kv_bytes = pool_bytes(model_path, cell, pool)
     plan = planner(model_path, cell, kv_bytes)
-    block = plan["onepage"]["block"] if mode == CONTROL else None
-    spec = engine_spec(cell, mode, model_path, kv_bytes, util, block_size=block, pool=pool)
-    out: dict[str, Any] = {"cell": cell.name, "mode": mode, "pool": pool,
+    as_mode = reference(cell.prefix_caching) if mode == AGAIN else mode
+    block = plan["onepage"]["block"] if as_mode == CONTROL else None
+    spec = engine_spec(cell, as_mode, model_path, kv_bytes, util, block_size=block, pool=pool,
+                       prefix_block=plan["onepage"]["block"], autotune=autotune)
+    out: dict[str, Any] = {"cell": cell.name, "mode": mode, "pool": pool, "autotune": autotune,
                            "kv_cache_memory_bytes": kv_bytes,
-                           "planner_tokens": None if block else plan[mode]["tokens"],
-                           "planner_block": plan["onepage" if block else mode]["block"],
+                           "planner_tokens": None if block else plan[as_mode]["tokens"],
+                           "planner_block": plan["onepage" if block else as_mode]["block"],
                            "env": spec.env, "engine_kwargs": spec.engine_kwargs}
     t0 = time.monotonic()
     try:
@@ -270,6 +305,9 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     _, _, default_diffs = token_diffs(stock["tokens"], onepage["tokens"])
     # two stock engines (block sizes and pools differ): what scheduling alone changes
     _, _, stock_stock = token_diffs(stock["tokens"], ref["tokens"])
+    # the reference engine twice (AGAIN): what a fresh process alone changes
+    again = runs.get(AGAIN)
+    again_diffs = token_diffs(ref["tokens"], again["tokens"])[2] if again else None
     kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
           (("stock", stock), ("onepage", onepage))}
     both = (("stock", ref), ("onepage", onepage))
@@ -278,6 +316,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         diffs=diffs[:12], identical_to_default_stock=not default_diffs,
         default_stock_diffs=default_diffs[:12],
         stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
+        again_diffs=again_diffs,
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
         prefix_hits={m: r["prefix_cache"]["hits"] for m, r in both},
@@ -294,9 +333,13 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # prefix caching on: hits (and in the small pool preemption) in both engines compared
     row["pool"] = onepage.get("pool", "small")
     row["prefix_caching"] = onepage["engine"]["mamba_cache_mode"] == "align"
-    row["hits_and_preemption"] = not row["prefix_caching"] or all(
-        row["prefix_hits"][m] > 0 and (row["pool"] == "roomy" or row["preemptions"][m] > 0)
-        for m in ("stock", "onepage"))
+    pre = row["preemptions"]
+    row["hits_and_preemption"] = (
+        (not row["prefix_caching"] or all(row["prefix_hits"][m] > 0 for m in pre))
+        and (row["pool"] == "roomy" or (row["pool"] == "small" and not row["prefix_caching"])
+             or all(n > 0 for n in pre.values()))
+        # forced preemption runs where the tokens say: the same preemptions in both engines
+        and (row["pool"] != "forced" or pre["stock"] == pre["onepage"]))
     row["ok"] = bool(row["identical"] and row["acceptance_varies"] and row["kv_equal"]
                      and row["hits_and_preemption"]
                      and row["page_modes"] == ["stock", "onepage", "stock"]
@@ -331,7 +374,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"with prefix caching the token ids, acceptance, hits and preemptions are "
            f"`{CONTROL}`'s (stock pages at one-page's block size) and KV is vLLM's default "
            "stock engine's; 'default stock' says whether that engine's ids equal too, and how "
-           "many requests differ between the two stock engines (scheduling alone).", "",
+           "many requests differ between the two stock engines (scheduling alone); 'again' "
+           "how many differ between the compared stock engine and its rerun in a fresh "
+           "process.", "",
            "| cell | requests | tokens | identical | default stock | acceptance hist "
            "(stock = one-page) | prefix hits | preemptions | KV tokens engine = planner | "
            "block (stock / one-page / stock-blk) | cudagraph | GPU s | ok |",
@@ -353,6 +398,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ("yes" if r["identical_to_default_stock"] else
              f"{len(r['default_stock_diffs'])} differ")
             + f"; stock vs stock-blk: {len(r.get('stock_vs_stock_blk_diffs') or [])} differ")
+        again = r.get("again_diffs")
+        if again is not None:
+            dflt += f"{'; ' if dflt else ''}again: {len(again)} differ"
         out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
                    f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
                    f"{h}{'' if r['acceptance_varies'] else ' (not varied)'} | "
@@ -545,7 +593,8 @@ def run(args: argparse.Namespace) -> int:
             make_tiny(models / name, seed=0, overrides=parse_overrides(sets))
         log(f"models made: {', '.join(MODELS)}")
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
-            "plan": args.plan, "pool": args.pool}
+            "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
+            "repeat": args.repeat}
     log(f"versions {meta}")
     cells = PLANS[args.plan]()
     if args.cells:
@@ -559,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
     if args.first:  # cells whose names hold one of these run first (a run may end on budget)
         keys = args.first.split(",")
         cells.sort(key=lambda c: next((i for i, k in enumerate(keys) if k in c.name), len(keys)))
-    jobs = [(c, m) for c in cells for m in modes(c) if (c.name, m) not in have]
+    jobs = [(c, m) for c in cells for m in modes(c, args.repeat) if (c.name, m) not in have]
     log(f"{len(cells)} cells, {len(jobs)} engines to run, {args.parallel} at a time")
     lock = threading.Lock()
     runs = list(done)
@@ -576,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
             return
         log(f"RUN {cell.name} {mode}")
         r = run_engine(cell, mode, models, min(args.engine_timeout_s, left), args.util, work,
-                       args.pool)
+                       args.pool, args.autotune)
         log(f"END {cell.name} {mode}: ok={r['ok']} {r['wall_s']}s kv={r.get('kv_cache_tokens')}"
             f" planner={r['planner_tokens']} {r.get('error', '')[-400:]}")
         with lock:
@@ -611,7 +660,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plan", choices=sorted(PLANS), default="matrix")
     r.add_argument("--cells", help="comma-separated cell names of the plan (default: all)")
     r.add_argument("--pool", choices=sorted(POOLS), default="small",
-                   help="small: the crowd preempts; roomy: both engines schedule alike")
+                   help="small: the crowd preempts; roomy: both engines schedule alike; "
+                        "forced: roomy, with vLLM's preemption run where the tokens say")
+    r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="first",
+                   help="first: every Triton autotuner takes its first valid config (engines "
+                        "comparable across processes); vllm: vLLM's default timing")
+    r.add_argument("--repeat", action="store_true",
+                   help="rerun each cell's reference stock engine in a fresh process (control)")
     r.add_argument("--first", help="comma-separated name parts: matching cells run first")
     r.add_argument("--resume", help="a gpu_engine_runs.json whose ok engines are kept, not rerun")
     r.add_argument("--out", required=True)

@@ -160,3 +160,47 @@ def test_fatbin_trim_keeps_one_architecture():
     assert b"B" * 50 in so and b"A" not in so and b"C" not in so
     ptx_only = _fake_so([(1, 80, b"P" * 40), (1, 100, b"Q" * 20)])
     assert ft.trim(ptx_only, 90) == (40, 20) and b"P" * 40 in ptx_only
+
+
+def test_forced_pool_needs_the_same_preemptions_and_reports_the_rerun(ge):
+    def forced(r):
+        r["pool"] = "forced"
+
+    row = ge.compare_cell(_cell(stock=forced, onepage=forced, **{"stock-blk": forced}))
+    assert row["ok"] and row["again_diffs"] is None
+    # forced preemption runs where the tokens say: a different count is a failed cell
+    row = ge.compare_cell(_cell(stock=forced, onepage=lambda r: r.update(pool="forced",
+                                                                         num_preemptions=3),
+                                **{"stock-blk": forced}))
+    assert not row["ok"] and not row["hits_and_preemption"]
+    row = ge.compare_cell(_cell(onepage=lambda r: r.update(pool="forced", num_preemptions=0),
+                                **{"stock-blk": lambda r: r.update(num_preemptions=0)}))
+    assert not row["ok"]
+    # the rerun of the reference engine: its differences are reported beside the verdict
+    runs = _cell()
+    runs["again"] = copy.deepcopy(runs["stock-blk"])
+    runs["again"].update(mode="again")
+    runs["again"]["tokens"]["pc-chat"][0][1] = 9
+    row = ge.compare_cell(runs)
+    assert row["ok"] and row["again_diffs"] == ["pc-chat[0]@1"]
+    assert "again: 1 differ" in ge.markdown([row], {"command": "x"})
+
+
+def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
+    pcon = ge.Cell("v2", "fap", True, 7, "fp32", "gdn27b")
+    assert ge.modes(pcon, repeat=True) == ("stock", "onepage", ge.CONTROL, ge.AGAIN)
+    assert ge.reference(True) == ge.CONTROL and ge.reference(False) == "stock"
+    spec = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, pool="forced",
+                          prefix_block=448)
+    assert spec.engine_kwargs["scheduler_cls"] == ge.FORCED_SCHEDULER
+    assert spec.env["R9K_FORCED_PREEMPT_AFTER_TOKENS"] == str(ge.FORCED_AFTER_TOKENS)
+    assert spec.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
+    plain = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, pool="roomy",
+                           autotune="vllm")
+    assert "scheduler_cls" not in plain.engine_kwargs
+    assert "VLLM_TRITON_FORCE_FIRST_CONFIG" not in plain.env
+    # the shared prefix spans three of the cell's blocks, whatever their size
+    by_name = {sc["name"]: sc for sc in spec.scenarios}
+    warm = by_name["pc-warm"]["prompts"]
+    assert len(warm[1]) > 3 * 448 and warm[1][:3 * 448] == warm[0][:3 * 448]
+    assert [len(p) for p in by_name["pc-cold"]["prompts"][1:]] == [442, 890, 1338]
