@@ -46,11 +46,15 @@ DEFAULT_PORT = 9700
 @click.option("--cards/--no-cards", default=True, show_default=True,
               help="Collect this host's cards; --no-cards: replicas only (what `r9k fleet up` runs, next to "
                    "each host's own exporter).")
+@click.option("--debugfs", metavar="DIR", envvar="R9K_DEBUGFS",
+              help="debugfs mount point under --host-root (normally /sys/kernel/debug): turns on the MES "
+                   "event-log liveness collector (needs amdgpu.mes_log_enable=1 and root); off when not given.")
 @click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
 def exporter(port: int, listen: str, web_config_file: Path | None, host_root: str, state_dir: str, config_path: str,
              replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
-             timeout_s: float, replica_budget_s: float, cards: bool, once: bool, as_json: bool) -> None:
+             timeout_s: float, replica_budget_s: float, cards: bool, debugfs: str | None, once: bool,
+             as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
     from r9k.http_client import is_loopback
@@ -69,6 +73,12 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
         raise BadInput(f"--fleet {fleet_url!r}: expected an http(s):// URL of the fleet status")
     if as_json and not once:
         raise BadInput("--json reports one collection: use it with --once")
+    if debugfs is not None:
+        if not cards:
+            raise BadInput("--debugfs reads this host's cards: drop --no-cards")
+        if not (Path(host_root) / debugfs.lstrip("/")).is_dir():
+            raise BadInput(f"--debugfs {debugfs}: no such directory under --host-root {host_root}; "
+                           "expected debugfs' mount point (mount -t debugfs none /sys/kernel/debug)")
     replicas: list[ReplicaDescription] = []
     try:
         replicas += [parse_replica_spec(s) for s in replica_specs]
@@ -88,7 +98,11 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
         raise BadInput(f"replica name {', '.join(dupes)} given twice; expected unique names (add name=...)")
 
     collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s,
-                                replica_budget_s, cards=cards)
+                                replica_budget_s, cards=cards, debugfs=debugfs)
+    mes_log = collector.parts.get("mes_log")
+    debugfs_problem = mes_log.unreadable_reason() if mes_log is not None else None
+    if debugfs_problem is not None:  # not fatal: exported as r9k_host_debugfs_readable 0, the rest is served
+        click.echo(f"r9k exporter: warning: --debugfs: {debugfs_problem}", err=True)
     registry = build_registry(collector)
     if once:
         if as_json:

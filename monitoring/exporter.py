@@ -1,7 +1,8 @@
 """The exporter: one registry of collect-on-scrape collectors, served over HTTP.
 
-``build_collector(...)`` gives the composite collector (cards, replicas, scrape errors last so a
-scrape's own failures show in that scrape); ``serve(...)`` serves it over HTTP(S) (:mod:`~r9k.monitoring.web_config`).
+``build_collector(...)`` gives the composite collector (cards, optionally the MES event logs,
+replicas, scrape errors last so a scrape's own failures show in that scrape); ``serve(...)`` serves
+it over HTTP(S) (:mod:`~r9k.monitoring.web_config`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from r9k.monitoring import web_config
 from r9k.monitoring.cards import CardCollector
+from r9k.monitoring.mes_log import MesLogCollector
 from r9k.monitoring.replicas import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
 from r9k.monitoring.scrape_errors import ScrapeErrors
 from r9k.ops.config import DEFAULT_CONFIG_PATH
@@ -44,12 +46,15 @@ def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.Path
                     config_path: str | os.PathLike = DEFAULT_CONFIG_PATH,
                     replicas: list[ReplicaDescription] | None = None, fleet_url: str | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S, replica_budget_s: float = DEFAULT_BUDGET_S,
-                    cards: bool = True) -> R9kCollector:
-    """``cards=False``: replicas only (the fleet's own exporter; each host's exporter has the cards)."""
+                    cards: bool = True, debugfs: str | os.PathLike | None = None) -> R9kCollector:
+    """``cards=False``: replicas only (the fleet's own exporter; each host's exporter has the cards).
+    ``debugfs``: debugfs mount point under ``host_root`` for the MES event-log collector (off when None)."""
     errors = ScrapeErrors()
     parts: dict[str, _Collector] = {}
     if cards:
         parts["cards"] = CardCollector(errors, host_root, state_dir, config_path)
+        if debugfs is not None:
+            parts["mes_log"] = MesLogCollector(errors, host_root, debugfs)
     parts["replicas"] = ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s)
     return R9kCollector(parts, errors)
 

@@ -14,6 +14,7 @@ SOURCES: tuple[str, ...] = (
     "replica",       # a replica's /metrics or /v1/models unreachable or unparsable
     "model_config",  # a replica's model config.json unreadable, or the capacity module refused it
     "fleet",         # the fleet status URL unreachable or not the documented JSON
+    "debugfs",       # --debugfs: dri/ not listable (root-only), or a card's MES event log unreadable or malformed
 )
 
 

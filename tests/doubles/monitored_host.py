@@ -180,10 +180,11 @@ OPS_CONFIG = "defaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n"
 
 def build_monitored_host(base) -> tuple[Any, Any, Any]:
     """(host_root, state_dir, config_path): card A at the wanted 210 W / -42 mV, card B left at 225 W
-    and hot; the ops watcher has recorded a reset of B (fenced, then reset_succeeded)."""
+    and hot; the ops watcher has recorded a reset of B (fenced, then reset_succeeded). Both cards
+    have a MES event log in debugfs (amdgpu.mes_log_enable=1; read with --debugfs /sys/kernel/debug)."""
     from pathlib import Path
 
-    from doubles.ops_host import CardSpec, build_host_tree
+    from doubles.ops_host import CardSpec, add_debugfs_card, build_host_tree, mes_ring, render_mes_event_log
 
     base = Path(base)
     root = build_host_tree(base / "host", [
@@ -192,6 +193,8 @@ def build_monitored_host(base) -> tuple[Any, Any, Any]:
         CardSpec(CARD_B, cap_watts=225, voltage_offset_mv=-42, power_draw_watts=224.0,
                  power_files=("input",), temps_millic=(80000, 104000, 90000)),
     ])
+    for minor, bdf in enumerate((CARD_A, CARD_B)):
+        add_debugfs_card(root, bdf, minor, render_mes_event_log(mes_ring(3 + minor)))
     config = base / "ops.yaml"
     config.write_text(OPS_CONFIG)
     state = base / "state"

@@ -315,3 +315,67 @@ def kmsg_record(seq: int, message: str, ts_us: int | None = None, priority: int 
     if bdf:
         text += f" SUBSYSTEM=pci\n DEVICE=+pci:{bdf}\n"
     return text
+
+
+# -- debugfs: amdgpu's MES event log (amdgpu.mes_log_enable=1), as drm and amdgpu lay it out
+
+MES_LOG_RING_BYTES = 0x4000  # AMDGPU_MES_LOG_BUFFER_SIZE: a gfx12 card without unified MES
+
+
+def mes_ring(records: int, ring_bytes: int = MES_LOG_RING_BYTES) -> bytes:
+    """A firmware ring with ``records`` 32-byte entries written (distinct words), the rest zero."""
+    ring = bytearray(ring_bytes)
+    for n in range(min(records, ring_bytes // 32)):
+        words = (0x1000 + n, 0x00c0ffee, n * 7 + 1, 0x2, 0, 0, n, 0xa5a5a5a5)
+        ring[n * 32:(n + 1) * 32] = b"".join(w.to_bytes(4, "little") for w in words)
+    return bytes(ring)
+
+
+def render_mes_event_log(ring: bytes) -> str:
+    """``amdgpu_mes_event_log`` as the kernel prints it: seq_hex_dump(DUMP_PREFIX_OFFSET, 32-byte
+    rows, 4-byte groups, no ASCII column): ``00000020: 00001001 00c0ffee ...``, each word a
+    little-endian u32 in 8 lowercase hex digits, one blank between."""
+    rows = []
+    for offset in range(0, len(ring), 32):
+        row = ring[offset:offset + 32]
+        words = (int.from_bytes(row[i:i + 4], "little") for i in range(0, len(row), 4))
+        rows.append(f"{offset:08x}: " + " ".join(f"{w:08x}" for w in words))
+    return "".join(row + "\n" for row in rows)
+
+
+def debugfs_dri(root: str | os.PathLike) -> Path:
+    return Path(root) / "sys/kernel/debug/dri"
+
+
+def add_debugfs_card(root: str | os.PathLike, bdf: str, minor: int, mes_log: str | None,
+                     layout: str = "device") -> Path:
+    """A card's DRM debugfs directory; returns the one holding ``amdgpu_mes_event_log``.
+
+    ``layout="device"`` (current drm_debugfs.c): files in ``dri/<BDF>/``; ``dri/<minor>`` and the
+    render minor ``dri/<128+minor>`` are symlinks to it; an open client adds ``dri/client-N/``
+    (``proc_info`` and a ``device`` link, no ``name``). ``layout="minor"`` (older kernels): the
+    primary minor's own ``dri/<minor>/``, and the render minor's ``dri/<128+minor>/`` with only
+    drm's files. ``mes_log=None``: amdgpu made no log (mes_log_enable=0). The debugfs mount is
+    root-only (0700), as distributions mount it."""
+    dri = debugfs_dri(root)
+    dri.mkdir(parents=True, exist_ok=True)
+    os.chmod(dri.parent, 0o700)
+    name = f"amdgpu dev={bdf} unique={bdf}\n"
+    if layout == "device":
+        card = dri / bdf
+        _w(card / "name", name)
+        for link in (str(minor), str(128 + minor)):
+            (dri / link).symlink_to(bdf)
+        client = dri / f"client-{minor + 1}"
+        _w(client / "proc_info", "pid: 4242\ncomm: python3\n")
+        (client / "device").symlink_to(f"../{bdf}")
+    elif layout == "minor":
+        card = dri / str(minor)
+        _w(card / "name", name)
+        _w(dri / str(128 + minor) / "name", name)
+    else:
+        raise ValueError(f"layout {layout!r}: expected 'device' or 'minor'")
+    _w(card / "amdgpu_firmware_info", "MES feature version: 1, firmware version: 0x00000080\n")
+    if mes_log is not None:
+        _w(card / "amdgpu_mes_event_log", mes_log)
+    return card

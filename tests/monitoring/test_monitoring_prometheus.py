@@ -41,7 +41,8 @@ def site(tmp_path):
              "cards": [CARD_B]},
         ]}
         with FakeFleet(doc) as fleet:
-            collector = build_collector(root, state, config, fleet_url=fleet.url + "/status", timeout_s=0.5)
+            collector = build_collector(root, state, config, fleet_url=fleet.url + "/status", timeout_s=0.5,
+                                        debugfs="/sys/kernel/debug")
             server, _ = serve(build_registry(collector), 0, "127.0.0.1")
             try:
                 yield {"root": root, "state": state, "tmp": tmp_path, "replica": replica,

@@ -114,7 +114,8 @@ def test_prometheus_scrape_config_is_valid():
 
 @pytest.fixture(scope="module")
 def exported_names(tmp_path_factory) -> set[str]:
-    """Every family the exporter writes for a host with cards, events and a one-page replica."""
+    """Every family the exporter writes for a host with cards, events, MES event logs (--debugfs)
+    and a one-page replica."""
     base = tmp_path_factory.mktemp("names")
     root, state, config = build_monitored_host(base)
     config.write_text(OPS_CONFIG + "expected_cards: ['0000:03:00.0', '0000:04:00.0', '0000:05:00.0']\n")
@@ -125,7 +126,8 @@ def exported_names(tmp_path_factory) -> set[str]:
         doc = {"replicas": [{"name": "r1", "url": replica.url, "model_config": str(model), "num_spec": 2,
                              "mode": "onepage", "platform": "cpu", "state": "ready", "cards": ["0000:03:00.0"]}]}
         with FakeFleet(doc) as fleet:
-            text = render(build_registry(build_collector(root, state, config, fleet_url=fleet.url + "/status")))
+            text = render(build_registry(build_collector(root, state, config, fleet_url=fleet.url + "/status",
+                                                         debugfs="/sys/kernel/debug")))
     names = set()
     for family in text_string_to_metric_families(text):
         names |= {s.name for s in family.samples}
