@@ -659,9 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--models", help="a folder holding MODELS (default: made with make-tiny)")
     r.add_argument("--plan", choices=sorted(PLANS), default="matrix")
     r.add_argument("--cells", help="comma-separated cell names of the plan (default: all)")
-    r.add_argument("--pool", choices=sorted(POOLS), default="small",
-                   help="small: the crowd preempts; roomy: both engines schedule alike; "
-                        "forced: roomy, with vLLM's preemption run where the tokens say")
+    r.add_argument("--pool", choices=sorted(POOLS), default="forced",
+                   help="forced (default): a roomy pool with vLLM's preemption run where the "
+                        "tokens say, the same in both engines; roomy: no preemption; small: "
+                        "the crowd preempts where the pool says (schedules then differ)")
     r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="first",
                    help="first: every Triton autotuner takes its first valid config (engines "
                         "comparable across processes); vllm: vLLM's default timing")
