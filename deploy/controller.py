@@ -32,6 +32,7 @@ from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action
 from r9k.deploy.placement import (Assignment, CardPool, PlacementError, ReplicaSlot, check_fits,
                                   place_one, plan_placement, replica_slots, unusable_cards)
 from r9k.deploy.probes import HttpProbe
+from r9k.fleet_status import CardStatus, ExporterStatus, FleetStatus, PlanStatus, ReplicaStatus
 from r9k.deploy.ray_backend import RayReplica
 from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
@@ -264,13 +265,13 @@ class FleetController(Backend):
             self.exporter_restarts += 1
             self._start_exporter()
 
-    def exporter_status(self) -> dict[str, Any] | None:
+    def exporter_status(self) -> ExporterStatus | None:
         if self.cfg.exporter is None:
             return None
         running = self.exporter is not None and self.exporter.poll() is None
-        return {"url": f"http://{self.cfg.exporter.listen}:{self.cfg.exporter.port}/metrics",
-                "pid": self.exporter.pid if running else None, "running": running,
-                "restarts": self.exporter_restarts, "last_exit": self.exporter_last_exit}
+        return ExporterStatus(url=f"http://{self.cfg.exporter.listen}:{self.cfg.exporter.port}/metrics",
+                              pid=self.exporter.pid if running else None, running=running,
+                              restarts=self.exporter_restarts, last_exit=self.exporter_last_exit)
 
     # -- carrying out the lifecycle's actions -----------------------------------------------------
 
@@ -480,40 +481,36 @@ class FleetController(Backend):
                          + (f" ({r.lc.reason})" if r.lc.reason and r.lc.state != READY else "")
                          for r in rs) or "no replicas configured"
 
-    def describe(self, r: Replica) -> dict[str, Any]:
+    def describe(self, r: Replica) -> ReplicaStatus:
         m, lc, proof = r.model, r.lc, r.lc.proof
-        return {
-            "name": r.name, "url": r.route.url if r.route else None, "model": m.name,
-            "model_config": str(m.resolved_path(self.cfg.base_dir)), "tp": m.tp, "num_spec": m.num_spec,
-            "page_mode": proof.page_mode if proof and proof.page_mode in ("stock", "onepage") else None,
-            "platform": self.cfg.platform, "max_model_len": m.max_model_len,
-            "state": lc.state if lc.state != STOPPED else None,
-            "cards": list(r.assignment.cards) if r.assignment else [],
-            "host": r.assignment.host if r.assignment else None,
-            "reason": lc.reason, "page_reason": proof.reason if proof else None,
-            "kv": proof.to_json() if proof else None,
-            "starts": lc.starts, "restarts": lc.restarts, "failures": lc.failures,
-            "outstanding": r.route.outstanding if r.route else 0,
-            "served": r.route.served if r.route else 0,
-            "pid": r.pid, "engine_pids": r.engine_pids, "history": r.history[-8:],
-            "rccl_env": rccl_env(m, self.cfg),
-        }
+        return ReplicaStatus(
+            name=r.name, url=r.route.url if r.route else None, model=m.name,
+            model_config_path=str(m.resolved_path(self.cfg.base_dir)), tp=m.tp, num_spec=m.num_spec,
+            page_mode=proof.page_mode if proof and proof.page_mode in ("stock", "onepage") else None,
+            platform=self.cfg.platform, max_model_len=m.max_model_len,
+            state=lc.state if lc.state != STOPPED else None,
+            cards=list(r.assignment.cards) if r.assignment else [],
+            host=r.assignment.host if r.assignment else None,
+            reason=lc.reason, page_reason=proof.reason if proof else None, kv=proof,
+            starts=lc.starts, restarts=lc.restarts, failures=lc.failures,
+            outstanding=r.route.outstanding if r.route else 0,
+            served=r.route.served if r.route else 0,
+            pid=r.pid, engine_pids=r.engine_pids, history=r.history[-8:],
+            rccl_env=rccl_env(m, self.cfg))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> FleetStatus:
         live = [self.describe(r) for r in self.replicas.values() if r.lc.state != STOPPED and r.route]
         stopped = [self.describe(r) for r in self.replicas.values() if r.lc.state == STOPPED or not r.route]
-        cards = []
-        for h in self.hosts:
-            for c in h.cards:
-                cards.append({"bdf": c.bdf, "host": h.name,
-                              "replica": self.pool.in_use.get(c.bdf) if self.pool else None,
-                              "usable": not (self.pool and c.bdf in self.pool.unusable),
-                              "reason": self.pool.unusable.get(c.bdf) if self.pool else None})
-        plans = {name: {"stock_tokens": p.stock.tokens, "onepage_tokens": p.onepage.tokens,
-                        "stock_blocks": p.stock.num_blocks, "onepage_blocks": p.onepage.num_blocks}
+        cards = [CardStatus(bdf=c.bdf, host=h.name,
+                            replica=self.pool.in_use.get(c.bdf) if self.pool else None,
+                            usable=not (self.pool and c.bdf in self.pool.unusable),
+                            reason=self.pool.unusable.get(c.bdf) if self.pool else None)
+                 for h in self.hosts for c in h.cards]
+        plans = {name: PlanStatus(stock_tokens=p.stock.tokens, onepage_tokens=p.onepage.tokens,
+                                  stock_blocks=p.stock.num_blocks, onepage_blocks=p.onepage.num_blocks)
                  for name, p in self.plans.items()}
-        return {"replicas": live, "stopped": stopped, "cards": cards, "capacity": plans, "entry": self.url,
-                "exporter": self.exporter_status()}
+        return FleetStatus(replicas=live, stopped=stopped, cards=cards, capacity=plans, entry=self.url,
+                           exporter=self.exporter_status())
 
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if action == "drain":

@@ -9,15 +9,15 @@ plugin, say) shows as a pool of another size or attention block, whatever the se
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from r9k import capacity
+from r9k.fleet_status import PageProof  # the proof's type (the fleet status carries it)
 from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, ModelSpec,
                                split_args)
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
 from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
+
 
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     spec = model.speculative
@@ -72,22 +72,6 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
                          prefix_caching=model.prefix_caching)  # as engine_argv runs it
 
 
-@dataclass
-class PageProof:
-    page_mode: str                 # what the engine runs: onepage | stock | unknown
-    reason: str | None             # why stock (the plugin's words), or why the proof failed
-    ok: bool                       # the engine runs what the fleet file asked for
-    num_blocks: int | None         # vLLM's pool size (cache_config_info num_gpu_blocks)
-    block_size: int | None         # its attention block size in tokens (cache_config_info)
-    cache_mode: str | None         # vLLM's mamba_cache_mode (cache_config_info)
-    planned_blocks: dict[str, int]  # the planner's per mode
-    planned_tokens: dict[str, int]
-    plugin: dict[str, str] | None  # the r9k_plugin_info labels as the replica served them
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> PageProof:
     """The page mode a replica runs, from its /metrics text, checked against the planner."""
     try:
@@ -116,6 +100,9 @@ def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> 
     ok = mode == wanted
     if not ok and reason is None:
         reason = f"asked for {wanted} pages, the engine runs {mode}"
-    return PageProof(mode, reason, ok, m.num_blocks if m else None, m.block_size if m else None,
-                     m.cache_mode if m else None, blocks, tokens, m.plugin if m else None)
+    return PageProof(page_mode=mode, reason=reason, ok=ok,
+                     num_blocks=m.num_blocks if m else None,
+                     block_size=m.block_size if m else None,
+                     cache_mode=m.cache_mode if m else None, planned_blocks=blocks,
+                     planned_tokens=tokens, plugin=m.plugin if m else None)
 

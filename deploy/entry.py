@@ -1,7 +1,7 @@
 """The fleet's one OpenAI-compatible endpoint: routes each request to a ready replica of its model
 by the fleet's routing policy (`r9k.deploy.routing`: pool-aware by default; streaming passes
 through), answers 503 with the replica states when none is ready, serves the fleet status
-(monitoring's ``FleetStatus`` shape) and the admin actions.
+(``r9k.fleet_status.FleetStatus``, the model the exporter reads) and the admin actions.
 
 It knows replicas only through :class:`Backend` (the controller, or a table in tests).
 """
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from r9k.deploy.routing import EngineLoad, choose, prefix_key
+from r9k.fleet_status import FleetStatus
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                "content-encoding", "authorization", "upgrade"}
@@ -45,7 +46,7 @@ class Backend(Protocol):
     def model_names(self) -> list[str]: ...                    # every model in the fleet
     def max_model_len(self, model: str) -> int | None: ...     # as vLLM's /v1/models says it
     def states_line(self, model: str) -> str: ...              # "m-0 loading, m-1 unhealthy (why)"
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> FleetStatus: ...
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]: ...
 
 
@@ -163,7 +164,7 @@ class EntryPoint:
         return resp
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.backend.status())
+        return web.json_response(self.backend.status().model_dump(mode="json"))
 
     async def admin(self, request: web.Request) -> web.Response:
         if not self._authorized(request):

@@ -1,7 +1,8 @@
 """Per-replica collector: vLLM's /metrics plus the capacity module's pinned split and capacity.
 
-A replica is described by :class:`ReplicaDescription` (the typed interface the fleet serves at
-its status URL as :class:`FleetStatus`, or given as ``--replica URL[,key=value...]``). The page
+A replica is described by :class:`r9k.fleet_status.ReplicaDescription` (the typed interface the
+fleet serves at its status URL as :class:`r9k.fleet_status.FleetStatus`, the model the controller
+builds, or given as ``--replica URL[,key=value...]``). The page
 layout used for the pinned split comes, in order, from the replica's own ``r9k_plugin_info``
 gauge (labels ``r9k.vllm_metrics.PLUGIN_INFO_LABELS``), else from the capacity module applied to the model's
 config.json (description, else the ``root`` that vLLM's ``/v1/models`` reports when it is a local
@@ -16,14 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from r9k import capacity
 from r9k.config_errors import validation_message
+from r9k.fleet_status import FleetStatus, ReplicaDescription  # noqa: F401  (the typed interface)
 from r9k.http_client import http_get
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
@@ -35,43 +37,6 @@ DEFAULT_TIMEOUT_S = 2.0
 # cannot push a scrape past Prometheus' 10 s scrape_timeout and take the card metrics with them.
 DEFAULT_BUDGET_S = 5.0
 MAX_PARALLEL_READS = 64  # replicas are read all at once up to this many; the rest queue
-
-
-class ReplicaDescription(BaseModel):
-    """One vLLM replica as monitoring needs it; the fleet entry point serves a list of these."""
-
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
-
-    name: str = Field(min_length=1)          # label `replica`; unique in the fleet
-    url: str                                  # base URL of the replica's HTTP server
-    metrics_path: str = "/metrics"
-    model: str | None = None                  # label `model`; default: vLLM's `model_name` label
-    model_config_path: str | None = Field(    # config.json (or its directory) readable here
-        default=None, validation_alias=AliasChoices("model_config_path", "model_config"))
-    tp: int = Field(default=1, ge=1)
-    num_spec: int = Field(default=0, ge=0)    # speculative tokens per step (0: none)
-    page_mode: Literal["stock", "onepage"] | None = Field(
-        default=None, validation_alias=AliasChoices("page_mode", "mode"))  # None: stock unless the plugin says
-    platform: Literal["gpu", "cpu"] = "gpu"   # attention block alignment (capacity module)
-    max_model_len: int | None = Field(default=None, ge=1)  # None: ask the replica's /v1/models
-    state: Literal["loading", "ready", "draining", "unhealthy"] | None = None  # from the fleet
-    cards: list[str] = Field(default_factory=list)  # PCI addresses the replica runs on
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"expected an http(s)://host:port URL, got {value!r}")
-        return value.rstrip("/")
-
-
-class FleetStatus(BaseModel):
-    """The JSON document at the fleet's status URL (``--fleet URL``): ``{"replicas": [...]}``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    replicas: list[ReplicaDescription]
 
 
 class ReplicaSpecError(ValueError):

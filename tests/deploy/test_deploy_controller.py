@@ -131,8 +131,40 @@ def test_launch_then_one_metrics_read_proves_onepage_and_makes_ready(fleet):
     assert (r.lc.state, r.lc.proof.page_mode, r.lc.proof.num_blocks) == (READY, "onepage", c.plan_.onepage.num_blocks)
     assert c.probe.metrics_reads == 1
     assert [x.name for x in c.routes("tiny")] == ["tiny-0"]
-    d = c.status()["replicas"][0]
-    assert (d["state"], d["page_mode"], d["starts"], d["engine_pids"]) == ("ready", "onepage", 1, [7])
+    d = c.status().replicas[0]
+    assert (d.state, d.page_mode, d.starts, d.engine_pids) == ("ready", "onepage", 1, [7])
+
+
+def test_fleet_status_is_one_typed_model_that_monitoring_reads(fleet):
+    """Issue 25 item 13: the controller builds r9k.fleet_status.FleetStatus (no plain dict), the
+    entry point serves its JSON, and the exporter validates the same model back to equal."""
+    import json
+
+    from r9k.fleet_status import FleetStatus
+    from r9k.monitoring import replicas as monitoring_replicas
+
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+
+    run(scenario())
+    st = c.status()
+    assert type(st) is FleetStatus and monitoring_replicas.FleetStatus is FleetStatus
+    back = FleetStatus.model_validate(json.loads(json.dumps(st.model_dump(mode="json"))))
+    assert back == st
+    (rep,) = back.replicas
+    assert (rep.name, rep.url, rep.state, rep.kv.page_mode, rep.kv.num_blocks) == (
+        "tiny-0", "http://fake:1", "ready", "onepage", c.plan_.onepage.num_blocks)
+    assert rep.model_config_path and rep.cards == [CARDS[0]]
+    assert back.capacity["tiny"].onepage_blocks == c.plan_.onepage.num_blocks
+    # a routed replica without a URL is not a fleet status the exporter could scrape
+    doc = st.model_dump(mode="json")
+    doc["replicas"][0]["url"] = None
+    with pytest.raises(ValueError, match="tiny-0: a routed replica needs its url"):
+        FleetStatus.model_validate(doc)
 
 
 def test_loading_without_heartbeat_reads_no_metrics(fleet):
@@ -201,8 +233,9 @@ def test_fenced_card_drains_and_places_the_replica_on_another_card(fleet):
     assert c.placed[-1] == ("tiny-0", (CARDS[1],), "1")
     assert c.pool.unusable == {CARDS[0]: "ops: mes_timeout"} and c.pool.in_use == {CARDS[1]: "tiny-0"}
     assert r.lc.state == LOADING and any(f"draining: card {CARDS[0]} fenced" in h for h in r.history)
-    card = next(x for x in c.status()["cards"] if x["bdf"] == CARDS[0])
-    assert card == {"bdf": CARDS[0], "host": "h1", "replica": None, "usable": False, "reason": "ops: mes_timeout"}
+    card = next(x for x in c.status().cards if x.bdf == CARDS[0])
+    assert card.model_dump() == {"bdf": CARDS[0], "host": "h1", "replica": None, "usable": False,
+                                 "reason": "ops: mes_timeout"}
 
 
 def test_operator_drain_stops_without_replacing(fleet):

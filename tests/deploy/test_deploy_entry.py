@@ -204,14 +204,14 @@ def test_fleet_exporter_is_supervised_replicas_only_and_off_the_host_exporters_p
         os.kill(first, signal.SIGKILL)
         controller.exporter.wait(10)
         controller._supervise_exporter(now=1000.0)  # noticed: restart scheduled after the backoff
-        assert controller.exporter is None and controller.exporter_status()["last_exit"] == -signal.SIGKILL
+        assert controller.exporter is None and controller.exporter_status().last_exit == -signal.SIGKILL
         controller._supervise_exporter(now=1000.5)
         assert controller.exporter is None
         controller._supervise_exporter(now=1001.0)
         assert controller.exporter is not None and controller.exporter.pid != first
         assert 'collector="replicas"' in _metrics_text(url)
-        status = controller.status()["exporter"]
-        assert (status["running"], status["restarts"], status["pid"]) == (True, 1, controller.exporter.pid)
+        status = controller.status().exporter
+        assert (status.running, status.restarts, status.pid) == (True, 1, controller.exporter.pid)
         controller._supervise_exporter(now=1002.0)  # running: left alone
         assert controller.exporter_restarts == 1
     finally:

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from r9k.deploy.entry import EntryPoint, Route, serve
 from r9k.devtools.demo import free_port
+from r9k.fleet_status import FleetStatus, ReplicaStatus
 
 
 class LoopServers:
@@ -63,9 +64,9 @@ class Table:
                          for r in self.all if r.model == model) or "no replicas configured"
 
     def status(self):
-        return {"replicas": [{"name": r.name, "url": r.url, "model": r.model, "state": "ready", "tp": 1,
-                              "num_spec": 3, "page_mode": "onepage", "cards": ["0000:03:00.0"],
-                              "reason": None} for r in self.all], "stopped": []}
+        return FleetStatus(replicas=[ReplicaStatus(name=r.name, url=r.url, model=r.model, state="ready",
+                                                   tp=1, num_spec=3, page_mode="onepage",
+                                                   cards=["0000:03:00.0"]) for r in self.all])
 
     async def admin(self, action, body):
         self.calls.append((action, body))
