@@ -80,11 +80,17 @@ def fleet() -> None:
 
 @fleet.command()
 @click.option("--config", "config", required=True, help="fleet file (YAML)")
-def check(config: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the validated fleet as JSON")
+def check(config: str, as_json: bool) -> None:
     """Validate a fleet file (schema, model paths, ports, cards in the file's inventory)."""
     cfg = _load(config)
-    click.echo(f"{config}: ok ({sum(m.replicas for m in cfg.models)} replicas, "
-               f"{sum(m.replicas * m.tp for m in cfg.models)} cards)")
+    replicas = sum(m.replicas for m in cfg.models)
+    cards = sum(m.replicas * m.tp for m in cfg.models)
+    if as_json:
+        click.echo(json.dumps({"ok": True, "config": config, "replicas": replicas, "cards": cards,
+                               "fleet": cfg.model_dump(mode="json")}, indent=1))
+        return
+    click.echo(f"{config}: ok ({replicas} replicas, {cards} cards)")
 
 
 @fleet.command()

@@ -108,9 +108,14 @@ def discover_cmd(host_root: str, as_json: bool) -> None:
 
 @ops.command("check-config")
 @_CONFIG_OPT
-def check_config_cmd(config_path: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the validated config as JSON")
+def check_config_cmd(config_path: str, as_json: bool) -> None:
     """Validate the config file only (exit 2 with the reason when it is refused)."""
     config = _load(config_path)
+    if as_json:
+        click.echo(json.dumps({"ok": True, "config": config_path,
+                               "settings": config.model_dump(mode="json")}, indent=1))
+        return
     click.echo(f"{config_path}: ok (backend {config.backend}, {len(config.cards)} card overrides, "
                f"{len(config.hooks)} hooks)")
 

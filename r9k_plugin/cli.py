@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 
 import click
 
@@ -23,6 +24,21 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 class LazyGroup(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["r9k_json"] = "--json" in args  # seen before a subcommand's own parsing can fail
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            if not ctx.meta.get("r9k_json"):
+                raise
+            # under --json a refusal is JSON too: what a script reading stdout can parse
+            click.echo(json.dumps({"ok": False, "error": exc.format_message(),
+                                   "exit_code": exc.exit_code}))
+            raise click.exceptions.Exit(exc.exit_code) from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(n for n in SUBCOMMANDS if _available(n))
 

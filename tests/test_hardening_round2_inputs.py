@@ -95,3 +95,44 @@ def test_every_float_option_refuses_nan_and_inf(args):
     assert result.exit_code == 2, (args, result.output)
     opt = next(a for a, v in zip(args, args[1:]) if v in ("nan", "inf", "0"))
     assert f"'{opt}'" in result.output and "Traceback" not in result.output, result.output
+
+
+def test_item15_check_config_and_fleet_check_speak_json_and_so_do_their_refusals(tmp_path, tiny_model):
+    """Issue 25 item 15: `--json` on `ops check-config` and `fleet check`; under `--json` a refusal
+    is one JSON object on stdout ({"ok": false, "error", "exit_code"}), not click's plain text."""
+    import json
+
+    ops_cfg = tmp_path / "ops.yaml"
+    ops_cfg.write_text("defaults: {power_cap_watts: 210, voltage_offset_mv: -42}\n")
+    ops_cfg.chmod(0o644)
+    result = _r9k("ops", "check-config", "--config", str(ops_cfg), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["ok"] and doc["settings"]["defaults"] == {"power_cap_watts": 210, "voltage_offset_mv": -42}
+    assert doc["settings"]["fault_events"]  # defaults shown, fencing on
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({
+        "platform": "gpu", "hosts": [{"name": "a", "cards": ["0000:03:00.0", "0000:04:00.0"]}],
+        "models": [{"name": "m", "path": str(tiny_model), "replicas": 2,
+                    "kv_cache_memory_bytes": 64 << 20}]}))
+    result = _r9k("fleet", "check", "--config", str(fleet), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert (doc["ok"], doc["replicas"], doc["cards"]) == (True, 2, 2)
+    assert doc["fleet"]["models"][0]["name"] == "m"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backend: nope\n")
+    bad.chmod(0o644)
+    for args in (["ops", "check-config", "--config", str(bad), "--json"],
+                 ["fleet", "check", "--config", str(tmp_path / "missing.yaml"), "--json"],
+                 ["capacity", "--preset", "qwen3.5-27b", "--num-spec", "3", "--tp", "3", "--json"],
+                 ["ops", "apply", "--wait-seconds", "nan", "--json"]):
+        result = _r9k(*args)
+        assert result.exit_code == 2, (args, result.output)
+        doc = json.loads(result.output)  # the whole output is one JSON document
+        assert doc["ok"] is False and doc["exit_code"] == 2 and doc["error"], (args, doc)
+    # without --json the same refusal stays one plain line
+    plain = _r9k("ops", "check-config", "--config", str(bad))
+    assert plain.exit_code == 2 and not plain.output.lstrip().startswith("{")
