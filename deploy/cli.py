@@ -266,7 +266,7 @@ def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str
     """Write r9k-ray-head.service and r9k-fleet.service: Ray as its own service, the controller
     restarted by systemd when it dies, re-adopting the running replicas."""
     from r9k.deploy.controller import default_run_dir
-    from r9k.ops.units import default_r9k_bin, env_file_problem, install_fleet_units
+    from r9k.ops.units import UnitValueError, default_r9k_bin, env_file_problem, install_fleet_units
 
     cfg = _load(config)
     if cfg.ray.address == "local":
@@ -283,7 +283,11 @@ def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str
         if problem:
             raise BadInput(f"--env-file {problem}; entry.api_key_env is {key_env}, so the "
                            "controller's unit needs the key from there")
-    for path in install_fleet_units(dest, r9k_bin, config, str(run), env_file if key_env else None):
+    try:
+        written = install_fleet_units(dest, r9k_bin, config, str(run), env_file if key_env else None)
+    except UnitValueError as exc:  # every unit is rendered before the first is written
+        raise BadInput(str(exc)) from None
+    for path in written:
         click.echo(f"wrote {path}")
     click.echo("next: systemctl daemon-reload && systemctl enable --now r9k-ray-head.service "
                "r9k-fleet.service")

@@ -390,7 +390,7 @@ def health_cmd(state_dir: str, as_json: bool) -> None:
                    "drain hook): root-owned, 0600")
 def install_units_cmd(dest, r9k_bin, config_path, state_dir, interval, env_file) -> None:
     """Write the boot-apply, reconcile and watch systemd units (then: systemctl daemon-reload, enable)."""
-    from r9k.ops.units import default_r9k_bin, env_file_problem, install_units
+    from r9k.ops.units import UnitValueError, default_r9k_bin, env_file_problem, install_units
 
     r9k_bin = r9k_bin or default_r9k_bin()
     if not os.path.isabs(r9k_bin) or not os.access(r9k_bin, os.X_OK):
@@ -399,7 +399,11 @@ def install_units_cmd(dest, r9k_bin, config_path, state_dir, interval, env_file)
         problem = env_file_problem(env_file, ["R9K_FLEET_API_KEY"])
         if problem:
             raise BadInput(f"--env-file {problem}")
-    for path in install_units(dest, r9k_bin, config_path, state_dir, interval, env_file):
+    try:
+        written = install_units(dest, r9k_bin, config_path, state_dir, interval, env_file)
+    except UnitValueError as exc:  # every unit is rendered before the first is written
+        raise BadInput(str(exc)) from None
+    for path in written:
         click.echo(f"wrote {path}")
     click.echo("next: systemctl daemon-reload && systemctl enable --now "
                "r9k-ops-apply.service r9k-ops-reconcile.service r9k-ops-watch.service")

@@ -3,10 +3,12 @@ fleet (its Ray head, the controller)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 UNIT_DIR = Path(__file__).parent / "systemd"
 UNIT_NAMES = ("r9k-ops-apply.service", "r9k-ops-reconcile.service", "r9k-ops-watch.service")
@@ -21,9 +23,40 @@ def default_r9k_bin() -> str:
     return shutil.which("r9k") or "/usr/local/bin/r9k"
 
 
+class UnitValueError(ValueError):
+    """A value that no systemd unit line can carry (a control character, e.g. a newline that
+    would start a directive of its own); the message names it and what was expected."""
+
+
+def _no_control_chars(value: str, what: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UnitValueError(f"{what} {value!r} holds a control character; expected a path "
+                             "without newlines or tabs (a unit file line cannot carry it)")
+    return value
+
+
+def exec_arg(value: str, what: str = "path", program: bool = False) -> str:
+    """One ExecStart= word as systemd reads it (systemd.service(5), "Command lines"): `%` is a
+    specifier unless doubled, and so is `$` (an environment variable) in the arguments; the
+    program itself gets no variable substitution (systemd-analyze verify: `$$` stays two);
+    blanks, quotes and backslashes need a double-quoted word with C escapes."""
+    text = _no_control_chars(value, what).replace("%", "%%")
+    if not program:
+        text = text.replace("$", "$$")
+    if re.search(r"""[\s"'\\;]""", text) or not text:
+        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def setting_path(value: str, what: str = "path") -> str:
+    """A path as the whole value of a setting such as EnvironmentFile= (specifiers resolved)."""
+    return _no_control_chars(value, what).replace("%", "%%")
+
+
 def _render(name: str, replacements: dict[str, str]) -> str:
+    doc = str((UNIT_DIR.parent / "README.md").absolute())
     text = (UNIT_DIR / name).read_text()
-    for key, value in {"@DOC@": str((UNIT_DIR.parent / "README.md").absolute()),
+    for key, value in {"@DOC@": setting_path(quote(_no_control_chars(doc, "README path"))),
                        **replacements}.items():
         text = text.replace(key, value)
     return text
@@ -31,7 +64,9 @@ def _render(name: str, replacements: dict[str, str]) -> str:
 
 def env_line(env_file: str | None, why: str) -> str:
     """The unit's EnvironmentFile= line (secrets such as the fleet's API key stay out of units)."""
-    return f"EnvironmentFile={os.path.abspath(env_file)}" if env_file else f"# no EnvironmentFile: {why}"
+    if not env_file:
+        return f"# no EnvironmentFile: {why}"
+    return f"EnvironmentFile={setting_path(os.path.abspath(env_file), '--env-file')}"
 
 
 def env_file_problem(path: str, names: list[str]) -> str | None:
@@ -58,8 +93,9 @@ def env_file_problem(path: str, names: list[str]) -> str | None:
 
 def render_unit(name: str, r9k_bin: str, config_path: str, state_dir: str, interval_s: float,
                 env_file: str | None = None) -> str:
-    return _render(name, {"@R9K_BIN@": r9k_bin, "@CONFIG@": os.path.abspath(config_path),
-                          "@STATE_DIR@": os.path.abspath(state_dir),
+    return _render(name, {"@R9K_BIN@": exec_arg(r9k_bin, "--r9k-bin", program=True),
+                          "@CONFIG@": exec_arg(os.path.abspath(config_path), "--config"),
+                          "@STATE_DIR@": exec_arg(os.path.abspath(state_dir), "--state-dir"),
                           "@INTERVAL@": f"{interval_s:g}",
                           "@ENV_LINE@": env_line(env_file, "hooks get no fleet API key (--env-file)")})
 
@@ -88,7 +124,8 @@ def install_fleet_units(dest: str | os.PathLike, r9k_bin: str, config_path: str,
                         run_dir: str, env_file: str | None = None) -> list[Path]:
     """The Ray head and the fleet controller. `ray` is the one beside `r9k` (same venv)."""
     ray_bin = str(Path(r9k_bin).parent / "ray")
-    values = {"@R9K_BIN@": r9k_bin, "@RAY_BIN@": ray_bin,
-              "@CONFIG@": os.path.abspath(config_path), "@RUN_DIR@": os.path.abspath(run_dir),
+    values = {"@R9K_BIN@": exec_arg(r9k_bin, "--r9k-bin", program=True), "@RAY_BIN@": exec_arg(ray_bin, "ray", program=True),
+              "@CONFIG@": exec_arg(os.path.abspath(config_path), "--config"),
+              "@RUN_DIR@": exec_arg(os.path.abspath(run_dir), "run dir"),
               "@ENV_LINE@": env_line(env_file, "entry.api_key_env is not set")}
     return _write(dest, {name: _render(name, values) for name in FLEET_UNIT_NAMES})

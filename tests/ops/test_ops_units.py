@@ -58,3 +58,86 @@ def test_import_stays_light():
             "print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def _systemd_words(line: str) -> list[str]:
+    """An ExecStart= value split as systemd.service(5) "Command lines" documents it: blanks
+    separate words, a double-quoted word takes C escapes, `%%` is `%`, and in the arguments
+    `$$` is `$` (the program gets no variable substitution) (a test-side reader of the rules)."""
+    words, i = [], 0
+    while i < len(line):
+        if line[i].isspace():
+            i += 1
+            continue
+        if line[i] == '"':
+            i, word = i + 1, ""
+            while line[i] != '"':
+                if line[i] == "\\":
+                    i += 1
+                word += line[i]
+                i += 1
+            i += 1
+        else:
+            j = i
+            while j < len(line) and not line[j].isspace():
+                j += 1
+            word, i = line[i:j], j
+        word = word.replace("%%", "%")
+        words.append(word.replace("$$", "$") if words else word)
+    return words
+
+
+def test_item15_unit_paths_with_blanks_specifiers_and_dollars_survive_systemd(tmp_path):
+    """Issue 25 item 15 (round one's open end): paths were written into ExecStart= unquoted, so
+    a blank split them, `%b` became the boot id and `$HOME` the service's home."""
+    odd = tmp_path / "r9k tools 100%b $HOME"
+    odd.mkdir()
+    r9k_bin = odd / "r9k"
+    shutil.copy("/bin/true", r9k_bin)
+    config = odd / 'ops "main".yaml'
+    state = tmp_path / "state dir"
+    dest = tmp_path / "system"
+    result = CliRunner().invoke(main, ["ops", "install-units", "--dest", str(dest), "--r9k-bin",
+                                       str(r9k_bin), "--config", str(config), "--state-dir",
+                                       str(state)])
+    assert result.exit_code == 0, result.output
+    for name in UNIT_NAMES:
+        line = next(ln for ln in (dest / name).read_text().splitlines() if ln.startswith("ExecStart="))
+        words = _systemd_words(line[len("ExecStart="):])
+        assert words[0] == str(r9k_bin) and words[words.index("--config") + 1] == str(config)
+        assert words[words.index("--state-dir") + 1] == str(state)
+    if shutil.which("systemd-analyze"):  # systemd's own reader: argv[0] executable, specifiers valid
+        proc = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                               *(str(dest / n) for n in UNIT_NAMES)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert [ln for ln in proc.stderr.splitlines() if "r9k-ops" in ln] == [], proc.stderr
+    # a newline would start a directive of its own: refused, nothing written
+    bad_dest = tmp_path / "bad"
+    result = CliRunner().invoke(main, ["ops", "install-units", "--dest", str(bad_dest), "--r9k-bin",
+                                       str(r9k_bin), "--config", "/etc/r9k/ops.yaml\nExecStartPre=/bin/x"])
+    assert result.exit_code == 2 and "holds a control character" in result.output
+    assert not bad_dest.exists()
+
+
+def test_item15_fleet_units_quote_their_paths_too(tmp_path):
+    from r9k.ops.units import install_fleet_units
+
+    odd = tmp_path / "fleet 50%"
+    odd.mkdir()
+    r9k_bin = odd / "r9k"
+    shutil.copy("/bin/true", r9k_bin)
+    shutil.copy("/bin/true", odd / "ray")
+    written = install_fleet_units(tmp_path / "system", str(r9k_bin), str(odd / "fleet.yaml"),
+                                  str(odd / "run"))
+    for path in written:
+        for line in path.read_text().splitlines():
+            if line.startswith(("ExecStart=", "ExecStop=")):
+                words = _systemd_words(line.split("=", 1)[1])
+                assert words[0] in (str(r9k_bin), str(odd / "ray")), words
+                if "--config" in words:
+                    assert words[words.index("--config") + 1] == str(odd / "fleet.yaml")
+    if shutil.which("systemd-analyze"):
+        proc = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, written)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "r9k-" not in proc.stderr, proc.stderr
