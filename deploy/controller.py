@@ -33,6 +33,7 @@ from r9k.deploy.placement import (Assignment, CardPool, PlacementError, ReplicaS
                                   place_one, plan_placement, replica_slots, unusable_cards)
 from r9k.deploy.probes import HttpProbe
 from r9k.fleet_status import CardStatus, ExporterStatus, FleetStatus, PlanStatus, ReplicaStatus
+from r9k.http_client import host_url
 from r9k.deploy.ray_backend import RayReplica
 from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
@@ -103,7 +104,7 @@ class FleetController(Backend):
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.entry.host}:{self.cfg.entry.port}"
+        return host_url(self.cfg.entry.host, self.cfg.entry.port)
 
     def ops_unhealthy(self) -> dict[str, str]:
         from r9k.ops.state import read_card_states
@@ -269,7 +270,7 @@ class FleetController(Backend):
         if self.cfg.exporter is None:
             return None
         running = self.exporter is not None and self.exporter.poll() is None
-        return ExporterStatus(url=f"http://{self.cfg.exporter.listen}:{self.cfg.exporter.port}/metrics",
+        return ExporterStatus(url=host_url(self.cfg.exporter.listen, self.cfg.exporter.port) + "/metrics",
                               pid=self.exporter.pid if running else None, running=running,
                               restarts=self.exporter_restarts, last_exit=self.exporter_last_exit)
 

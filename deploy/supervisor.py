@@ -13,12 +13,14 @@ from pathlib import Path
 import ray
 
 from r9k.deploy.server import STOP_GRACE_S, ServerProcess
+from r9k.http_client import host_url
 
 
 def _port_free(host: str, port: int) -> bool:
     """Bindable as the replica's server binds it (SO_REUSEADDR, as vLLM's launcher sets): a port
     left in TIME_WAIT by a stopped replica is free, one with a listener is not."""
-    with socket.socket() as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # a node IP may be IPv6
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -65,7 +67,7 @@ class ReplicaProcess:
         log_path = self.log_dir / f"{self.replica}.{self.starts}.log"
         # env None: the actor's own environment, which carries runtime_env.env_vars
         self.server = ServerProcess.start(fill_address(self.argv_template, host, port), log_path)
-        self.last_start = {"url": f"http://{host}:{port}", "pid": self.server.pid,
+        self.last_start = {"url": host_url(host, port), "pid": self.server.pid,
                            "log": str(log_path), "start": self.starts}
         return self.last_start
 

@@ -60,6 +60,14 @@ def http_get(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | Non
     return resp.body
 
 
+def host_url(host: str, port: int, scheme: str = "http") -> str:
+    """``scheme://host:port`` with an IPv6 literal in brackets (RFC 3986): ``http://[::1]:8100``,
+    not ``http://::1:8100``, which no client parses."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
 def is_loopback(host: str) -> bool:
     """True for an address only this machine reaches (127.0.0.0/8, ::1, ``localhost``): what the
     entry point and the exporter may serve on without a key or auth."""

@@ -209,3 +209,60 @@ def test_item7_slow_clients_do_not_starve_normal_ones():
         for s in slow:
             s.close()
         servers.close()
+
+
+def test_item15_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
+    """A replica bound to an IPv6 address (replica_bind: node-ip on an IPv6 node) was announced
+    as http://::1:8100 (no client parses it) and its port probe bound an IPv4 socket to it
+    (no port ever free): bracketed URLs, an IPv6 probe, and the entry point routes to it."""
+    import json
+    import socket
+    import urllib.request
+
+    from aiohttp import web
+
+    from doubles.entry_fleet import LoopServers, Table
+    from r9k.deploy.entry import EntryPoint, Route
+    from r9k.deploy.server import ApiServerLaunch
+    from r9k.deploy.supervisor import _port_free
+    from r9k.fleet_status import ReplicaDescription
+    from r9k.http_client import host_url
+    from r9k.monitoring.replicas import parse_replica_spec
+
+    assert host_url("::1", 8100) == "http://[::1]:8100" == host_url("[::1]", 8100)
+    assert host_url("10.0.0.5", 8100) == "http://10.0.0.5:8100"
+    assert ApiServerLaunch("/m", "m", 8100, 4096, 1 << 30, host="::1").url == "http://[::1]:8100"
+    assert ReplicaDescription(name="r", url=host_url("fd00::5", 8100)).url == "http://[fd00::5]:8100"
+    assert parse_replica_spec("http://[::1]:8100,name=r6").url == "http://[::1]:8100"
+
+    held = socket.socket(socket.AF_INET6)
+    held.bind(("::1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        assert not _port_free("::1", port)  # a listener holds it
+    finally:
+        held.close()
+    assert _port_free("::1", port)
+
+    async def completions(request):
+        return web.json_response({"served_by": "v6", "model": (await request.json())["model"]})
+
+    servers = LoopServers()
+    try:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        servers.run(runner.setup())
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            v6_port = probe.getsockname()[1]
+        servers.run(web.TCPSite(runner, "::1", v6_port).start())
+        servers.runners.append(runner)
+        entry = servers.entry(EntryPoint(Table([Route("m-0", "m", host_url("::1", v6_port))])))
+        req = urllib.request.Request(entry + "/v1/completions", data=json.dumps(
+            {"model": "m", "prompt": "x"}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["served_by"] == "v6"
+    finally:
+        servers.close()
