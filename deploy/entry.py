@@ -311,8 +311,8 @@ def _outcome(response: web.StreamResponse) -> str:
     return "rejected" if response.status < 500 else "errored"
 
 
-# Slow or idle clients must not starve normal ones: a connection's first request headers arrive
-# within HEADER_TIMEOUT_S, a body within BODY_TIMEOUT_S (408), at most MAX_CONNECTIONS
+# Slow or idle clients must not starve normal ones: each request's headers arrive (from its
+# first byte on a kept-alive connection) within HEADER_TIMEOUT_S, a body within BODY_TIMEOUT_S (408), at most MAX_CONNECTIONS
 # connections are open (more are closed at once), idle keep-alive connections close after
 # KEEPALIVE_S; bodies over 64 MiB get 413 (client_max_size).
 HEADER_TIMEOUT_S = 10.0
@@ -321,8 +321,29 @@ MAX_CONNECTIONS = 1024
 KEEPALIVE_S = 75.0
 
 
+class _AnsweredTransport:
+    """The connection's transport as aiohttp sees it: notes that a response went out (not a
+    `100 Continue`), so the next bytes on a kept-alive connection start a new request."""
+
+    def __init__(self, transport: asyncio.Transport, conn: "_GuardedConnection") -> None:
+        self._transport, self._conn = transport, conn
+
+    def write(self, data) -> None:
+        if not bytes(data[:12]).startswith(b"HTTP/1.1 100"):
+            self._conn.answered = True
+        self._transport.write(data)
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 class _GuardedConnection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, behind a connection count and a header deadline."""
+    """aiohttp's protocol for one connection, behind a connection count and a header deadline
+    for every request on it (the first, and each one a kept-alive connection carries next)."""
 
     def __init__(self, inner: asyncio.Protocol, site: "_GuardedSite") -> None:
         self.inner, self.site = inner, site
@@ -330,6 +351,7 @@ class _GuardedConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.tail = b""
         self.counted = False
+        self.answered = False  # a response went out since the last request's headers
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -340,7 +362,7 @@ class _GuardedConnection(asyncio.Protocol):
         self.site.open_connections += 1
         self.counted = True
         self._arm()
-        self.inner.connection_made(transport)
+        self.inner.connection_made(_AnsweredTransport(transport, self))
 
     def _arm(self) -> None:
         self.timer = asyncio.get_running_loop().call_later(self.site.header_timeout_s, self._too_slow)
@@ -353,6 +375,9 @@ class _GuardedConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.counted:
             return
+        if self.timer is None and self.answered:  # the next request on a kept-alive connection
+            self.answered, self.tail = False, b""
+            self._arm()
         if self.timer is not None:
             seen = self.tail + data
             if b"\r\n\r\n" in seen:  # the headers are complete: the body has its own deadline

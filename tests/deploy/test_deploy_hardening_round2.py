@@ -266,3 +266,39 @@ def test_item15_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
             assert resp.status == 200 and json.loads(resp.read())["served_by"] == "v6"
     finally:
         servers.close()
+
+
+def test_item7_the_next_request_on_a_kept_alive_connection_has_a_header_deadline_too():
+    """Round two's guard bounded a connection's first headers only: after one quick request, a
+    client could trickle the next request's headers on the same connection for ever."""
+    import socket
+    import time
+
+    from doubles.entry_fleet import LoopServers, Table
+    from r9k.deploy.entry import EntryPoint, serve
+    from r9k.devtools.demo import free_port
+
+    servers = LoopServers()
+    port = free_port()
+    servers.runners.append(servers.run(serve(EntryPoint(Table([])), "127.0.0.1", port,
+                                             header_timeout_s=0.5)))
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 503"), first  # answered, connection kept alive
+        time.sleep(0.7)  # idle between requests: the keep-alive timer's business (75 s), not this
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the next request's headers, unfinished
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed by the header deadline
+        assert time.monotonic() - t0 < 3
+        s.close()
+        # a client that finishes its next request in time is served on the same connection
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        for _ in range(3):
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 503")
+            time.sleep(0.6)
+        s.close()
+    finally:
+        servers.close()
