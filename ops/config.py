@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Literal, Union
 
 import yaml
-from pydantic import Field, BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (Field, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator)
 
 from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
                                 validation_message)
@@ -63,6 +64,9 @@ class OpsConfig(BaseModel):
     # plus this margin for this long is drift, and reconcile writes the cap again.
     cap_draw_margin_watts: StrictInt = Field(default=15, ge=1, le=200)
     cap_draw_window_s: Union[StrictInt, StrictFloat] = 60
+    # A syslog file's `kernel:` tag is all that says a line is the kernel's, and any local user
+    # can write it (logger -t kernel): the watcher acts on such lines only when this is true.
+    trust_syslog_kernel_tag: StrictBool = False
 
     @field_validator("hook_timeout_s", "cap_draw_window_s")
     @classmethod
@@ -135,6 +139,7 @@ _EXPECTED = {
     "cap_draw_window_s": "a YAML number of seconds such as 60",
     "cap_draw_margin_watts": "a YAML integer of watts such as 15",
     "expected_cards": "a card count such as 4, or a list of PCI addresses",
+    "trust_syslog_kernel_tag": "true or false (YAML booleans, no quotes)",
 }
 
 

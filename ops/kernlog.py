@@ -3,11 +3,13 @@
 Understands /dev/kmsg records (``pri,seq,ts,flags;msg`` with `` DEVICE=+pci:BDF`` continuation
 lines), ``journalctl -k -o json`` objects and plain dmesg/syslog text. Only kernel records count:
 kmsg records of the kernel facility, journal records with ``_TRANSPORT=kernel``, syslog lines
-tagged ``kernel:`` (a process's line naming a card must not fence it). The message is matched;
-the BDF comes from the ``amdgpu 0000:03:00.0:`` prefix or the record's device, or, for a line
-without either, from the addressed amdgpu lines just before it (at most ``CONTEXT_MAX_LINES``
-lines and ``CONTEXT_WINDOW_S`` seconds earlier) when they all name one card. Anything else stays
-unattributed (bdf None): a host event.
+tagged ``kernel:`` (a process's line naming a card must not fence it). A syslog line is a kernel
+record by its tag alone, which any local process can write (``logger -t kernel``): such lines are
+marked ``syslog_tagged`` and the watcher does not act on them unless told to trust the tag. The
+message is matched; the BDF comes from the ``amdgpu 0000:03:00.0:`` prefix or the record's
+device, or, for a line without either, from the addressed amdgpu lines just before it (at most
+``CONTEXT_MAX_LINES`` lines and ``CONTEXT_WINDOW_S`` seconds earlier) when they all name one card.
+Anything else stays unattributed (bdf None): a host event.
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ class LogLine:
     timestamp: str | None = None
     mono_s: float | None = None  # kernel monotonic seconds, where the format has them
     record_id: str | None = None  # identity for sources without an ordinal (saved text logs)
+    # a syslog line taken as the kernel's by its `kernel:` tag alone: any local process can
+    # write one (`logger -t kernel` adds no [pid]; the default file templates show no facility)
+    syslog_tagged: bool = False
 
 
 @dataclass
@@ -149,10 +154,12 @@ def parse_text_line(text: str, stream: str, ordinal: int) -> LogLine | None:
         if match.group("tag") != "kernel":
             return None
         text = match.group("msg")
+    syslog_tagged = match is not None
     match = _DMESG_TS.match(text)
     if match:
         timestamp, text = match.group(1), match.group(2)
-    return LogLine(text, stream, ordinal, None, timestamp, float(timestamp) if timestamp else None)
+    return LogLine(text, stream, ordinal, None, timestamp, float(timestamp) if timestamp else None,
+                   syslog_tagged=syslog_tagged)
 
 
 class Classifier:

@@ -1,9 +1,10 @@
 """Ops state directory: one small JSON file per card, shared with deploy and monitoring.
 
 Layout: ``<state_dir>/cards/<BDF>.json`` (written atomically, updated under a lock), host-level
-events (faults no card can be named for) in ``<state_dir>/host-events.json``, and the watcher's own
-``<state_dir>/watch-cursor.json``. Readers use :func:`read_card_states`, :func:`read_host_events`
-and :func:`card_presence`.
+events (faults no card can be named for) in ``<state_dir>/host-events.json``, the record ids each
+of them counted from saved text logs in ``cards/<BDF>.seen`` and ``host-events.seen`` (appended
+to), and the watcher's own ``<state_dir>/watch-cursor.json``. Readers use
+:func:`read_card_states`, :func:`read_host_events` and :func:`card_presence`.
 """
 from __future__ import annotations
 
@@ -45,11 +46,14 @@ BDF_PATTERN = r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 BDF_RE = re.compile(rf"^{BDF_PATTERN}$")
 # Positions kept per card for exactly-once counting; older streams (earlier boots) are dropped.
 _MAX_STREAMS = 8
-# Identities of records from unordered sources (saved text logs) kept per card / for the host.
+# Identities of records from unordered sources (saved text logs) kept per card / for the host:
+# at least this many, appended one per line to a ``.seen`` file (an event adds ~17 bytes instead
+# of rewriting them all); at twice this many the file is cut back to the last ones.
 _MAX_SEEN_IDS = 1024
 # Kernel records are under 1 KiB; anything longer is not a kernel message worth storing whole.
 MAX_MESSAGE_CHARS = 1024
 HOST_EVENTS_FILE = "host-events.json"
+HOST_SEEN_FILE = "host-events.seen"
 
 
 def cap_message(message: str) -> str:
@@ -90,7 +94,10 @@ class CardState:
     # stream id -> last counted ordinal (kmsg boot+seq, journal seqnum): exactly-once.
     positions: dict[str, int] = field(default_factory=dict)
     # record identities from saved text logs (no ordinal there), most recent last: exactly-once.
+    # Kept in ``<BDF>.seen``, not in this file (only files written before that carry them here).
     seen_ids: list[str] = field(default_factory=list)
+    # the ids this write counted, appended to ``<BDF>.seen`` after it (repaired from here if lost)
+    last_seen_ids: list[str] = field(default_factory=list)
     power_ok: bool | None = None
     power_drift: list[str] = field(default_factory=list)
     power_checked_at: float | None = None
@@ -98,7 +105,9 @@ class CardState:
     version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        del data["seen_ids"]  # in <BDF>.seen
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "CardState":
@@ -127,7 +136,9 @@ class CardState:
         return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
 
     def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
-        _mark_seen(self.positions, self.seen_ids, stream, ordinal, record_id)
+        _mark_seen(self.positions, self.last_seen_ids, stream, ordinal, record_id)
+        if record_id is not None:
+            self.seen_ids.append(record_id)
 
 
 def _seen(positions: dict[str, int], seen_ids: list[str], stream: str, ordinal: int,
@@ -141,12 +152,85 @@ def _mark_seen(positions: dict[str, int], seen_ids: list[str], stream: str, ordi
                record_id: str | None) -> None:
     if record_id is not None:
         seen_ids.append(record_id)
-        del seen_ids[:-_MAX_SEEN_IDS]
         return
     positions.pop(stream, None)
     positions[stream] = ordinal  # re-insert: dict order is recency
     while len(positions) > _MAX_STREAMS:
         positions.pop(next(iter(positions)))
+
+
+class _SeenLog:
+    """Record ids counted from saved text logs, one per line in an append-only file beside a JSON
+    state file. The JSON's atomic write stays the commit point: it names the ids it counted
+    (``last_seen_ids``), which are appended here after it; a crash in between is repaired at the
+    next load (:meth:`settle`), as are ids an older JSON still carries (``seen_ids``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.ids: list[str] = []
+        self._legacy: list[str] = []
+        self._missing: list[str] = []
+
+    def load(self, legacy: list[str], last: list[str]) -> list[str]:
+        """Every id counted so far: the file's, the JSON's older list, the JSON's last ones."""
+        try:
+            pieces = self.path.read_bytes().decode("utf-8", "replace").split("\n")
+        except FileNotFoundError:
+            pieces = [""]
+        ids = [x for x in pieces[:-1] if x]  # the last piece lacks its newline: empty or torn
+        known = set(ids)
+        self._legacy = [x for x in dict.fromkeys(legacy) if x not in known]
+        known.update(self._legacy)
+        self._missing = [x for x in dict.fromkeys(last) if x not in known]
+        self.ids = self._legacy + ids + self._missing
+        return list(self.ids)
+
+    def settle(self) -> None:
+        """Before a write that no longer names them: every id of earlier writes is in the file."""
+        if self._legacy:
+            self._rewrite(self.ids[-2 * _MAX_SEEN_IDS:])
+        elif self._missing:
+            self._append(self._missing)
+        self._legacy, self._missing = [], []
+
+    def add(self, added: list[str]) -> None:
+        """After the JSON write that counted ``added``."""
+        if not added:
+            return
+        self.ids += added
+        if len(self.ids) > 2 * _MAX_SEEN_IDS:
+            self._rewrite(self.ids[-_MAX_SEEN_IDS:])
+        else:
+            self._append(added)
+
+    def _append(self, ids: list[str]) -> None:
+        created = not self.path.exists()
+        # O_NOFOLLOW: a planted symlink must not make root append to a file elsewhere
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a crash cut the last line
+            data = (("\n" if torn else "") + "".join(f"{x}\n" for x in ids)).encode()
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(self.path.parent)
+
+    def _rewrite(self, ids: list[str]) -> None:
+        _atomic_write_bytes(self.path, "".join(f"{x}\n" for x in ids).encode())
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a file created or renamed in ``directory`` survive a crash."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def cards_dir(state_dir: str | os.PathLike) -> Path:
@@ -305,9 +389,13 @@ def record_host_event(state_dir: str | os.PathLike, event_type: str, message: st
     Written atomically under the state-dir lock, like the card files."""
     with _locked(state_dir):
         data = _load_host_file(state_dir)
-        if _seen(data["positions"], data["seen_ids"], stream, ordinal, record_id):
+        seen_log = _SeenLog(Path(state_dir) / HOST_SEEN_FILE)
+        seen_ids = seen_log.load(data.pop("seen_ids"), data.get("last_seen_ids") or [])
+        seen_log.settle()
+        if _seen(data["positions"], seen_ids, stream, ordinal, record_id):
             return False
-        _mark_seen(data["positions"], data["seen_ids"], stream, ordinal, record_id)
+        data["last_seen_ids"] = []
+        _mark_seen(data["positions"], data["last_seen_ids"], stream, ordinal, record_id)
         now = time.time()
         current = data["events"].get(event_type)
         if current is None:
@@ -315,18 +403,25 @@ def record_host_event(state_dir: str | os.PathLike, event_type: str, message: st
         current.update(message=cap_message(message), count=int(current["count"]) + 1, last_seen=now)
         data["events"][event_type] = current
         atomic_write_json(host_events_path(state_dir), data)
+        seen_log.add(data["last_seen_ids"])
     return True
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
+def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
+    """Replace ``path`` whole; ``durable``: its data synced first (not for a file whose loss
+    costs only a re-read, such as the watcher's log position)."""
+    _atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), durable)
+
+
+def _atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
@@ -400,9 +495,17 @@ def update_card_state(
             os.replace(path, kept)
             state = CardState(bdf=bdf, healthy=False, unhealthy_since=time.time(),
                               unhealthy_reason=f"ops state file was unreadable ({exc.reason}); kept as {kept.name}")
+        seen_log = _SeenLog(path.with_name(f"{bdf}.seen"))
+        state.seen_ids = seen_log.load(state.seen_ids, state.last_seen_ids)
+        seen_log.settle()
+        state.last_seen_ids = []
+        unchanged = state.to_json()
         change(state)
+        if state.to_json() == unchanged and path.exists():
+            return state  # nothing to record (an event counted before): write nothing
         state.updated_at = time.time()
         atomic_write_json(path, state.to_json())
+        seen_log.add(state.last_seen_ids)
     return state
 
 

@@ -4,9 +4,14 @@ Exactly once across restarts: every event carries the kernel's own record identi
 + sequence number, journal seqnum (per seqnum id) -- or, for saved text logs that have none, a
 chained hash of the record and every record before it in the file (two boots of one kernel share
 their first lines, never their whole history). Each card's state file records what it counted in
-the same atomic write as the counts. The cursor file only says where to resume reading; a file that
-was truncated or replaced under the cursor is read again from the start, which the identities make
-safe. Files are streamed in chunks with records cut at ``MAX_RECORD_BYTES``.
+the same atomic write as the counts. The cursor file only says where to resume reading (written
+when it moved, not synced: losing it costs a re-read); a file that was truncated or replaced under
+the cursor is read again from the start, which the identities make safe. Files are streamed in
+chunks with records cut at ``MAX_RECORD_BYTES``; a complete record is handled at once.
+
+Provenance: kmsg facility 0 and the journal's ``_TRANSPORT=kernel`` prove a record is the
+kernel's; a syslog file's ``kernel:`` tag does not (``logger -t kernel`` writes the same line).
+Events from such lines are reported, not counted or acted on, unless the tag is trusted.
 
 Containment: a fault fences its card first (state written), then the hooks run in their own threads,
 once per change of a card from healthy to unhealthy, each with the configured timeout.
@@ -74,10 +79,13 @@ def iter_records(fh: IO[bytes], start: int, final: bool) -> Iterator[tuple[int, 
     """Stream records (a line plus its `` KEY=value`` continuation lines) from ``fh`` at ``start``.
 
     Yields (offset, text, end offset). Lines longer than MAX_RECORD_BYTES are cut (the rest of the
-    line is skipped). An unfinished last line, and a trailing kmsg record that may still get
-    continuation lines, are left for the next read unless ``final``.
+    line is skipped). An unfinished last line is left for the next read unless ``final`` (with
+    its record, when it is a continuation line). A finished record is yielded at once, also the
+    last one: the kernel hands out a record with its continuation lines in one read, so they are
+    written together (waiting for the next record left the MES timeout before a hang unhandled).
     """
     pending: list[Any] | None = None  # [offset, text, end]
+    pending_unfinished = False  # its next continuation line is still being written
     pos = start
     while True:
         raw = fh.readline(MAX_RECORD_BYTES)  # buffered, in C; bounded
@@ -94,6 +102,7 @@ def iter_records(fh: IO[bytes], start: int, final: bool) -> Iterator[tuple[int, 
             if complete or len(rest) < READ_CHUNK_BYTES:
                 break
         if not complete and not final:
+            pending_unfinished = raw.startswith(b" ")
             break  # unfinished: read again next time
         pos = end
         text = raw.rstrip(b"\n").decode("utf-8", "replace")
@@ -104,7 +113,7 @@ def iter_records(fh: IO[bytes], start: int, final: bool) -> Iterator[tuple[int, 
         if pending is not None:
             yield tuple(pending)
         pending = [line_start, text, end]
-    if pending is not None and (final or not _KMSG_HEADER.match(pending[1])):
+    if pending is not None and not pending_unfinished:
         yield tuple(pending)
 
 
@@ -374,6 +383,10 @@ def load_cursors(state_dir: str | os.PathLike | None) -> dict[str, Any]:
         return {}
 
 
+SYSLOG_UNAUTHENTICATED = ("syslog line, a kernel record by its `kernel:` tag alone, which any local user "
+                          "can write (logger -t kernel): not counted, fenced or handed to hooks")
+
+
 @dataclass
 class HookRun:
     argv: list[str]
@@ -399,12 +412,13 @@ class Seen:
     host: bool = False
     fenced_now: bool = False
     unsaved: str | None = None  # why the state dir did not take this event (contained anyway)
+    unauthenticated: str | None = None  # why it was not counted or acted on (a forgeable source)
 
     def to_json(self) -> dict[str, Any]:
         data = self.event.to_json()
         data.pop("record_id", None)
         data.update(new=self.new, fault=self.fault, host=self.host, fenced_now=self.fenced_now,
-                    unsaved=self.unsaved)
+                    unsaved=self.unsaved, unauthenticated=self.unauthenticated)
         return data
 
 
@@ -453,6 +467,8 @@ class Watcher:
         on_event: Callable[[Seen], None] | None = None,
         hook_timeout_s: float = 60.0,
         on_hook: Callable[[HookRun], None] | None = None,
+        trust_syslog_kernel_tag: bool = False,
+        on_warning: Callable[[str], None] | None = None,
     ):
         self.source = source
         self.state_dir = state_dir
@@ -472,6 +488,14 @@ class Watcher:
         self._unsaved_seen: set[tuple] = set()
         self._fenced = {b for b, st in states.items() if not st.healthy}
         self.cursor_error: str | None = None
+        # the log position last written: an idle poll (nothing read) writes nothing durable
+        self._saved_position = load_cursors(state_dir).get(source.key) if state_dir else None
+        self.trust_syslog_kernel_tag = trust_syslog_kernel_tag
+        self.on_warning = on_warning or print_warning
+        # untrusted syslog lines get a classifier of their own: a forged addressed line must not
+        # become the evidence that gives a real unaddressed kernel line to a card
+        self._syslog_classifier = Classifier()
+        self._syslog_warned = False
 
     def is_fault(self, event: KernelEvent) -> bool:
         if event.type == "ring_timeout" and event.detail.get("soft_recovered"):
@@ -481,19 +505,53 @@ class Watcher:
     def poll(self, final: bool = False) -> list[Seen]:
         seen = []
         for line in self.source.read(final):
+            if line.syslog_tagged:
+                self._warn_syslog()
+                if not self.trust_syslog_kernel_tag:
+                    event = self._syslog_classifier.classify(line)
+                    if event is not None:
+                        seen.append(self._report_unauthenticated(event))
+                    continue
             event = self.classifier.classify(line)
             if event is not None:
                 seen.append(self._handle(event))
         if self.state_dir is not None:
-            cursors = load_cursors(self.state_dir)
-            cursors[self.source.key] = self.source.position()
-            try:
-                atomic_write_json(Path(self.state_dir) / CURSOR_FILE, cursors)
-                self.cursor_error = None
-            except OSError as exc:  # a restart re-reads; saved events say "already counted"
-                self.cursor_error = f"log position not saved to {self.state_dir}: {exc.strerror or exc}"
+            position = self.source.position()
+            if position != self._saved_position:
+                cursors = load_cursors(self.state_dir)
+                cursors[self.source.key] = position
+                try:
+                    atomic_write_json(Path(self.state_dir) / CURSOR_FILE, cursors, durable=False)
+                    self._saved_position = position
+                    self.cursor_error = None
+                except OSError as exc:  # a restart re-reads; saved events say "already counted"
+                    self.cursor_error = f"log position not saved to {self.state_dir}: {exc.strerror or exc}"
             beat(self.state_dir)
         return seen
+
+    def _warn_syslog(self) -> None:
+        if self._syslog_warned:
+            return
+        self._syslog_warned = True
+        where = getattr(self.source, "path", self.source.key)
+        if self.trust_syslog_kernel_tag:
+            self.on_warning(f"{where}: syslog `kernel:` lines are trusted (trust_syslog_kernel_tag): any "
+                            "local user can write one (logger -t kernel) and fence a card; /dev/kmsg "
+                            "(facility 0) and the journal (_TRANSPORT=kernel) prove a record is the kernel's")
+            return
+        self.on_warning(f"{where}: a syslog file cannot prove a `kernel:` line is the kernel's (any local "
+                        "user can write one: logger -t kernel); its events are reported, not counted, "
+                        "fenced or handed to hooks. Sources that prove it: /dev/kmsg (facility 0, --source "
+                        "kmsg) and the journal (_TRANSPORT=kernel, --source journal); to act on syslog "
+                        "lines anyway: trust_syslog_kernel_tag: true in the ops config")
+
+    def _report_unauthenticated(self, event: KernelEvent) -> Seen:
+        # without a state dir (post-mortem) nothing is counted or acted on anyway: new as read
+        item = Seen(event, new=self.state_dir is None, fault=self.is_fault(event), host=event.bdf is None,
+                    unauthenticated=SYSLOG_UNAUTHENTICATED)
+        if self.on_event:
+            self.on_event(item)
+        return item
 
     def _handle(self, event: KernelEvent) -> Seen:
         fault = self.is_fault(event)
@@ -594,16 +652,22 @@ def print_event(item: Seen, as_json: bool, out=None) -> None:
             print(json.dumps(item.to_json()), file=out, flush=True)
         return
     e = item.event
-    if item.host:
-        flags = " (no card: host event)" + ("" if item.new else " (already counted)")
-    else:
-        flags = ("" if item.new else " (already counted)")
+    flags = " (no card: host event)" if item.host else ""
+    # an unauthenticated event is not counted at all: "(already counted)" would mislead
+    flags += "" if item.new or item.unauthenticated else " (already counted)"
     flags += (" FAULT" if item.fault else "") + (" -> fenced" if item.fenced_now else "")
     flags += f" (NOT SAVED: {item.unsaved})" if item.unsaved else ""
+    flags += f" (NOT ACTED ON: {item.unauthenticated})" if item.unauthenticated else ""
     detail = " ".join(f"{k}={v}" for k, v in e.detail.items())
     with _print_lock:
         print(f"{e.timestamp or '-':>14} {e.bdf or 'no-card':<13} {e.type:<17} {detail}{flags}  | {e.message}",
               file=out, flush=True)
+
+
+def print_warning(message: str, out=None) -> None:
+    """``warning: ...`` on stderr (the CLI's other warnings go there too, also with --json)."""
+    with _print_lock:
+        print(f"warning: {message}", file=out or sys.stderr, flush=True)
 
 
 def print_hook(run: HookRun, as_json: bool, out=None) -> None:

@@ -334,3 +334,227 @@ def test_item15_hook_children_fault_events_and_a_planted_lock_symlink(tmp_path):
     with pytest.raises(OSError):
         update_card_state(state, A, lambda s: None)
     assert not target.exists()
+
+
+# -- item 15, the watcher's leftovers: forged syslog kernel lines, per-event writes, idle
+# fsyncs, the last kmsg record ----------------------------------------------------------------
+SYSLOG_MES = "Nov 30 05:24:01 gpuhost kernel: " + MES
+
+
+def test_item15_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
+    """`logger -t kernel '<MES line>'` lands in a syslog file byte for byte like the kernel's own
+    line (rsyslog's default template, no [pid] without logger --id): reported with why it was not
+    acted on, never counted, fenced or handed to the hooks, and the watcher says which sources
+    prove a kernel record. Trusting the tag is an explicit choice (trust_syslog_kernel_tag)."""
+    from r9k.ops.config import parse_config
+    from r9k.ops.state import read_card_state
+    from r9k.ops.watch import FileSource, Watcher
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    marks = tmp_path / "hook-ran"
+    script = tmp_path / "hooks" / "drain.sh"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$R9K_BDF" >> {marks}\n')
+    os.chmod(script, 0o755)
+    cfg = _config(tmp_path / "ops.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n")
+    log = tmp_path / "syslog"
+    log.write_text("Nov 30 05:24:00 gpuhost systemd[1]: Started session 4.\n" + SYSLOG_MES.format(A) + "\n")
+    state = tmp_path / "state"
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
+                                       "--config", str(cfg), "--host-root", str(host),
+                                       "--state-dir", str(state), "--json"])
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
+    assert [(e["type"], e["bdf"], e["new"], e["fenced_now"]) for e in events] == [
+        ("mes_timeout", A, False, False)]
+    assert "logger -t kernel" in events[0]["unauthenticated"]
+    assert read_card_state(state, A) is None and not marks.exists()
+    warning = next(x for x in result.output.splitlines() if x.startswith("warning:") and "syslog" in x)
+    assert "/dev/kmsg" in warning and "_TRANSPORT=kernel" in warning
+    # the same line, trusted by choice: counted and fenced as before
+    assert parse_config("trust_syslog_kernel_tag: true\n").trust_syslog_kernel_tag is True
+    seen = Watcher(FileSource(log), state, host, trust_syslog_kernel_tag=True).poll(final=True)
+    assert [(s.new, s.fenced_now, s.unauthenticated) for s in seen] == [(True, True, None)]
+    assert read_card_state(state, A).healthy is False
+
+
+class _FsyncMeter:
+    """os.fsync, counted (the real call still runs)."""
+
+    def __init__(self):
+        self.count = 0
+        self._real = os.fsync
+
+    def __call__(self, fd):
+        self.count += 1
+        return self._real(fd)
+
+
+def _snapshot(directory):
+    """{path: (inode, size, mtime_ns)} of every file under ``directory``."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            out[os.path.join(root, name)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _bytes_written(before, after) -> int:
+    """Bytes a step wrote: whole files that were created or replaced, the growth of the others."""
+    total = 0
+    for path, (ino, size, mtime) in after.items():
+        old = before.get(path)
+        if old is None or old[0] != ino:
+            total += size
+        elif old[2] != mtime:
+            total += max(size - old[1], 0) or size  # grown: the growth; rewritten in place: all
+    return total
+
+
+def test_item15_bytes_written_per_event_stay_bounded(tmp_path, monkeypatch):
+    """A card with history (8 boots of kmsg positions, 900 MES timeouts from saved text logs):
+    each new event used to rewrite and fsync the whole card file with its 900+ record ids (about
+    23 KB at 1,100). Now each event writes under 2 KiB and at most 2 fsyncs (the card file;
+    the id appended to its record file), however long the history; nothing is counted twice."""
+    from doubles.ops_host import kmsg_record
+    from r9k.ops.state import read_card_state
+    from r9k.ops.watch import CURSOR_FILE, FileSource, KmsgSource, Watcher
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    state, log = tmp_path / "state", tmp_path / "kern.log"
+    for boot in range(8):
+        kmsg = tmp_path / f"kmsg-{boot}"
+        kmsg.write_text(kmsg_record(5, MES.format(A), bdf=A))
+        source = KmsgSource(kmsg, f"boot-{boot}")
+        Watcher(source, state, host).poll(final=True)
+        source.close()
+    log.write_text("".join(f"[{i:>7}.000000] {MES.format(A)}\n" for i in range(900)))
+    Watcher(FileSource(log), state, host).poll(final=True)
+    cursor = json.loads((state / CURSOR_FILE).read_text())[f"file:{log.resolve()}"]
+    watcher = Watcher(FileSource(log, cursor), state, host)
+    meter = _FsyncMeter()
+    monkeypatch.setattr(os, "fsync", meter)
+    events = written = 0
+    for i in range(40):  # one event per poll, as a follower sees them
+        with open(log, "a") as fh:
+            fh.write(f"[{1000 + i:>7}.000000] {MES.format(A)}\n")
+        before = _snapshot(state)
+        events += sum(s.new for s in watcher.poll())
+        written += _bytes_written(before, _snapshot(state))
+    monkeypatch.undo()
+    assert events == 40
+    assert written / events < 2048, f"{written / events:.0f} bytes written per event"
+    assert meter.count / events <= 2, f"{meter.count / events:.2f} fsyncs per event"
+    # exactly once still: the log position lost, the whole file read again counts nothing and
+    # rewrites no card file
+    (state / CURSOR_FILE).unlink()
+    before = _snapshot(state / "cards")
+    assert not any(s.new for s in Watcher(FileSource(log), state, host).poll(final=True))
+    assert _snapshot(state / "cards") == before
+    assert read_card_state(state, A).counts["mes_timeout"] == 8 + 900 + 40
+
+
+def test_item15_idle_polls_write_nothing_durable(tmp_path, monkeypatch):
+    """No new records: a poll used to rewrite and fsync the log position every time (twice a
+    second by default, forever). Now an idle poll writes nothing but the heartbeat's mtime."""
+    from doubles.ops_host import kmsg_record
+    from r9k.ops.state import HEARTBEAT_FILE
+    from r9k.ops.watch import FileSource, KmsgSource, Watcher
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    log, kmsg = tmp_path / "kern.log", host / "dev/kmsg"
+    log.write_text(f"[  1.0] {MES.format(A)}\n[  2.0] usb 1-1: new high-speed USB device\n")
+    kmsg.write_text(kmsg_record(1, MES.format(A), bdf=A) + kmsg_record(2, "random: crng init done"))
+    for name, source in (("file", FileSource(log)), ("kmsg", KmsgSource(kmsg, "boot-1"))):
+        state = tmp_path / f"state-{name}"
+        watcher = Watcher(source, state, host)
+        assert [s.event.type for s in watcher.poll()] == ["mes_timeout"]
+        before = _snapshot(state)
+        meter = _FsyncMeter()
+        monkeypatch.setattr(os, "fsync", meter)
+        for _ in range(20):
+            assert watcher.poll() == []
+        monkeypatch.undo()
+        source.close()
+        after = _snapshot(state)
+        beat = str(state / HEARTBEAT_FILE)
+        assert meter.count == 0, f"{name}: {meter.count} fsyncs in 20 idle polls"
+        assert {p: v for p, v in after.items() if p != beat} == {p: v for p, v in before.items() if p != beat}
+
+
+def test_item15_the_last_kmsg_record_is_acted_on_before_another_arrives(tmp_path):
+    """`r9k ops watch --source kmsg` following a kmsg-format file: one MES timeout record (with
+    its DEVICE continuation line) and nothing after it, as before a hang. It used to wait for a
+    following record (maybe never); now it is printed and its card fenced within a poll."""
+    import queue
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from doubles.ops_host import kmsg_record
+    from r9k.ops.state import read_card_state
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    kmsg = host / "dev/kmsg"
+    kmsg.write_text(kmsg_record(1, "Linux version 6.14.0"))
+    cfg = _config(tmp_path / "ops.yaml", CONFIG)
+    state = tmp_path / "state"
+    r9k = str(Path(sys.executable).parent / "r9k")
+    proc = subprocess.Popen([r9k, "ops", "watch", "--source", "kmsg", "--interval", "0.05", "--json",
+                             "--config", str(cfg), "--host-root", str(host), "--state-dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        time.sleep(1.0)  # the watcher has read the first record by now
+        with open(kmsg, "a") as fh:
+            fh.write(kmsg_record(2, MES.format(A), bdf=A))
+        try:
+            event = json.loads(lines.get(timeout=10))
+        except queue.Empty:
+            raise AssertionError("the MES record was not acted on within 10 s (no record after it)") from None
+        assert (event["type"], event["bdf"], event["fenced_now"]) == ("mes_timeout", A, True)
+        assert read_card_state(state, A).healthy is False
+        assert kmsg.read_text().count(";") == 2  # nothing was written after the MES record
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_item15_record_ids_survive_a_crash_an_older_card_file_and_compaction(tmp_path, monkeypatch):
+    """The record ids moved out of the card file into `<BDF>.seen` (appended after the card
+    file's write, which names the ids it counted): a crash between the two, a card file of the
+    older format that still carries `seen_ids`, and the cut back to the last ids at twice the
+    limit all keep every event counted exactly once."""
+    import r9k.ops.state as state_mod
+    from r9k.ops.state import card_state_path, read_card_state
+    from r9k.ops.watch import FileSource, Watcher
+
+    monkeypatch.setattr(state_mod, "_MAX_SEEN_IDS", 4)
+    host = build_host_tree(tmp_path / "host", [CardSpec(A)])
+    state, log = tmp_path / "state", tmp_path / "kern.log"
+    log.write_text("".join(f"[{i:>5}.0] {MES.format(A)}\n" for i in range(3)))
+
+    def read_all():
+        return sum(s.new for s in Watcher(FileSource(log), state, host).poll(final=True))
+
+    assert read_all() == 3
+    seen = card_state_path(state, A).with_name(f"{A}.seen")
+    ids = seen.read_text().splitlines()
+    assert len(ids) == 3 and "seen_ids" not in json.loads(card_state_path(state, A).read_text())
+    seen.write_text("\n".join(ids[:2]) + "\n" + ids[2][:5])  # a crash cut the last append short
+    assert read_all() == 0 and seen.read_text().splitlines()[-1] == ids[2]
+    # a card file written before the ids moved out: they are taken over, then dropped from it
+    card = json.loads(card_state_path(state, A).read_text())
+    card_state_path(state, A).write_text(json.dumps({**card, "seen_ids": ids, "last_seen_ids": []}))
+    seen.unlink()
+    assert read_all() == 0
+    with open(log, "a") as fh:
+        fh.write("".join(f"[{i:>5}.0] {MES.format(A)}\n" for i in range(3, 9)))
+    assert read_all() == 6 and read_card_state(state, A).counts["mes_timeout"] == 9
+    # 9 ids > 2 x 4: the file was cut back to the last 4 (the card file no longer carries any)
+    assert seen.read_text().splitlines() == [line.record_id for line in FileSource(log).read(final=True)][-4:]
+    assert "seen_ids" not in json.loads(card_state_path(state, A).read_text())
