@@ -287,7 +287,8 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
 
     watcher = Watcher(src, state_dir if record else None, host_root, config.hook_argvs() if record else [],
                       config.fault_events, on_event=on_event, hook_timeout_s=config.hook_timeout_s,
-                      on_hook=lambda run: print_hook(run, as_json))
+                      on_hook=lambda run: print_hook(run, as_json),
+                      trust_syslog_kernel_tag=config.trust_syslog_kernel_tag)
     failure = None
     try:
         if once:

@@ -376,6 +376,17 @@ def test_item15_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
     seen = Watcher(FileSource(log), state, host, trust_syslog_kernel_tag=True).poll(final=True)
     assert [(s.new, s.fenced_now, s.unauthenticated) for s in seen] == [(True, True, None)]
     assert read_card_state(state, A).healthy is False
+    # and through `r9k ops watch` with the config field set: the hook runs
+    trusted = _config(tmp_path / "trusted.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n"
+                      "trust_syslog_kernel_tag: true\n")
+    state2 = tmp_path / "state2"
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
+                                       "--config", str(trusted), "--host-root", str(host),
+                                       "--state-dir", str(state2), "--json"])
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
+    assert [(e["type"], e["new"], e["fenced_now"]) for e in events] == [("mes_timeout", True, True)]
+    assert read_card_state(state2, A).healthy is False and marks.read_text().split() == [A]
 
 
 class _FsyncMeter:
