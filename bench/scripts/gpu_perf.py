@@ -84,14 +84,15 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
 
 def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
                autotune: str, timeout_s: float, workdir: pathlib.Path, util: float,
-               scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN):
+               scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN,
+               eager: bool = False):
     from r9k.devtools.engine_runs import EngineSpec, run
 
     env = dict(ge.GPU_RUN_ENV, **ge.AUTOTUNE_ENV[autotune])
     spec = EngineSpec(
         model=str(model_path), num_spec=k, gdn_state=mode, kv_cache_memory_bytes=kv_bytes,
         max_model_len=max_model_len,
-        max_num_seqs=max(sc["concurrency"] for sc in scenarios), enforce_eager=False,
+        max_num_seqs=max(sc["concurrency"] for sc in scenarios), enforce_eager=eager,
         prefix_caching=prefix_caching, mamba_ssm_cache_dtype="float32", scenarios=scenarios,
         env=env, engine_kwargs={
             "attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton",
@@ -99,7 +100,10 @@ def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefi
             "speculative_config": {"method": "mtp", "num_speculative_tokens": k,
                                    "attention_backend": "TRITON_ATTN"}})
     res = run(spec, timeout_s=timeout_s, workdir=workdir)
-    res.pop("log", None)
+    log = res.pop("log", "")
+    # what vLLM said about CUDA graphs and compilation: the first thing to read on a slow step
+    res["log_graph_lines"] = [ln[-300:] for ln in log.splitlines()
+                              if "graph" in ln.lower() or "compil" in ln.lower()][-30:]
     res.pop("tokens", None)  # schedules differ between the modes: the ids are not compared here
     return res
 
@@ -134,30 +138,45 @@ def run(args: argparse.Namespace) -> int:
             "model_sets": sets, "k": args.k, "prefix_caching": not args.no_prefix_caching,
             "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,
             "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,
-            "output_tokens": args.output_tokens, "sweep": list(sweep)}
+            "output_tokens": args.output_tokens, "sweep": list(sweep), "eager": args.eager,
+            "parallel_modes": args.parallel_modes}
     log(f"pool {kv_bytes / MIB:.0f} MiB: {planner}")
     engines: list[dict[str, Any]] = []
     path = out / "gpu_perf.json"
+    def one(mode: str, rep: int) -> None:
+        left = args.budget_s - (time.monotonic() - t0)
+        if left < args.engine_min_s:
+            log(f"SKIP {mode} repeat {rep}: {left:.0f}s left")
+            return
+        log(f"RUN {mode} repeat {rep}")
+        try:
+            res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
+                             args.autotune, min(left, args.engine_timeout_s),
+                             work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len,
+                             args.eager)
+            engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
+            log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
+                + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
+                            f"run {v['running_mean']:.1f}" for v in res["loads"].values()))
+        except Exception as exc:  # noqa: BLE001  (a failed engine is a result)
+            engines.append({"mode": mode, "repeat": rep, "ok": False,
+                            "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+            log(f"FAILED {mode} {rep}: {exc!s:.400}")
+        path.write_text(json.dumps({"meta": meta, "engines": engines}, indent=1))
+
     for rep in range(args.repeats):
-        for mode in (("stock", "onepage") if rep % 2 == 0 else ("onepage", "stock")):
-            left = args.budget_s - (time.monotonic() - t0)
-            if left < args.engine_min_s:
-                log(f"SKIP {mode} repeat {rep}: {left:.0f}s left")
-                continue
-            log(f"RUN {mode} repeat {rep}")
-            try:
-                res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
-                                 args.autotune, min(left, args.engine_timeout_s),
-                                 work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len)
-                engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
-                log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
-                    + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
-                                f"run {v['running_mean']:.1f}" for v in res["loads"].values()))
-            except Exception as exc:  # noqa: BLE001  (a failed engine is a result)
-                engines.append({"mode": mode, "repeat": rep, "ok": False,
-                                "error": f"{type(exc).__name__}: {exc}"[-4000:]})
-                log(f"FAILED {mode} {rep}: {exc!s:.400}")
-            path.write_text(json.dumps({"meta": meta, "engines": engines}, indent=1))
+        order = ("stock", "onepage") if rep % 2 == 0 else ("onepage", "stock")
+        if args.parallel_modes:  # a quick diagnosis: both engines at once (they share the GPU)
+            import threading
+
+            threads = [threading.Thread(target=one, args=(m, rep)) for m in order]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for mode in order:
+                one(mode, rep)
     if args.save_caches:
         ge.save_caches(out, log)
     print(markdown(summarize(meta, engines), meta))
@@ -279,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     r.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     r.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    r.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
+    r.add_argument("--parallel-modes", action="store_true",
+                   help="run the stock and one-page engines of a repeat at once (diagnosis only)")
     r.add_argument("--model-sets", help="make-tiny --set values, comma-separated (default: "
                                         "the 27B-like model above)")
     s = sub.add_parser("summarize", help="results JSON -> Markdown (and plot)")
