@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from r9k.capacity import FLAG_COUNT, FLAG_SLOT
+from r9k.page_layout import FLAG_COUNT, FLAG_SLOT
 from r9k.kernels.onepage import NULL_PAGE, GdnInputs, set_live, unpack_record_rows, write_record
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from r9k.capacity import (
+from r9k.page_layout import (
     FLAG_COUNT, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, flag_words, record_row_elements)
 
 NULL_PAGE = 0  # vLLM's null block (CUDA-graph padding): never replayed nor recorded

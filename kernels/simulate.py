@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
+from r9k.page_layout import FLAG_COUNT, FLAG_DTYPE, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, clear_records, onepage_verify_step,
     replay_accepted_rows, replay_into, set_live)

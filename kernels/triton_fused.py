@@ -72,9 +72,9 @@ import torch
 import triton
 import triton.language as tl
 
-from r9k.capacity import (
+from r9k.page_layout import (
     FLAG_COUNT, FLAG_DONE, FLAG_DTYPE, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, KERNEL_V_BLOCK_MAX,
-    RECORD_SLOTS, flag_words, kernel_programs_per_page, record_row_elements)
+    RECORD_SLOTS, flag_words, head_dims_reason, kernel_programs_per_page, record_row_elements)
 
 # the stock launcher's tiling and launch parameters; changing any of them changes the last bits
 STOCK_BV_MAX = KERNEL_V_BLOCK_MAX  # the capacity module sizes the flag pairs from it
@@ -592,10 +592,11 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     dep = ship["dep"] if dep is None else dep
     rows_end = ship["rows_end"] if rows_end is None else rows_end
     own = ship["own"] if own is None else own
-    BK = triton.next_power_of_2(K)
+    bad_heads = head_dims_reason(K, V)  # the policy's rule: it keeps stock pages for these
+    if bad_heads:
+        raise ValueError(bad_heads)
+    BK = K
     BV = min(triton.next_power_of_2(V), STOCK_BV_MAX)
-    if BK != K:
-        raise ValueError(f"head_k_dim {K} must be a power of two (the stock kernel's BK = K)")
     unknown = set(stages) - {"replay", "verify", "record"}
     if unknown:
         raise ValueError(f"stages must be among replay, verify, record; got {sorted(unknown)}")

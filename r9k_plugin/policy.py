@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from r9k.page_layout import head_dims_reason
+
 logger = logging.getLogger("vllm.r9k")
 
 GDN_STATE_ENV = "R9K_GDN_STATE"
@@ -23,11 +25,6 @@ ONEPAGE_ARCHITECTURES = frozenset({
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
 })
-# The one-page kernels tile the value dim by 32 (the stock Triton kernel's BV) and keep the
-# whole key dim in one block.
-VALUE_TILE = 32
-MAX_HEAD_K_DIM = 256
-
 _said: set[str] = set()
 
 
@@ -51,13 +48,10 @@ def vllm_version_reason() -> str | None:
 
 
 def unservable_shape_reason(hf_text_config: Any, tp_size: int) -> str | None:
-    dk = int(hf_text_config.linear_key_head_dim)
-    dv = int(hf_text_config.linear_value_head_dim)
-    if dv % VALUE_TILE:
-        return (f"GDN value head dim {dv} is not a multiple of {VALUE_TILE} "
-                "(the one-page kernels tile V like the stock kernel)")
-    if dk > MAX_HEAD_K_DIM:
-        return f"GDN key head dim {dk} exceeds {MAX_HEAD_K_DIM} (one key block per head)"
+    reason = head_dims_reason(int(hf_text_config.linear_key_head_dim),
+                              int(hf_text_config.linear_value_head_dim))
+    if reason:
+        return reason
     hk, hv = int(hf_text_config.linear_num_key_heads), int(hf_text_config.linear_num_value_heads)
     if hk % tp_size or hv % tp_size:
         return f"GDN heads {hk}/{hv} do not split over TP {tp_size}"

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from doubles.vllm_accounting import import_plugin_qwen4exp_classes, import_vllm_model_modules
 from r9k import capacity as cap
+from r9k import page_layout as pl
 from r9k.cli import main as cli
 
 GIB = 1 << 30
@@ -80,8 +81,8 @@ def test_onepage_classes_size_the_pages_their_layers_bind(monkeypatch):
         shape = cap.HybridModelShape.from_config(dict(hf.to_dict(), model_type="qwen4_exp_text"))
         layout = cap.gdn_page_layout(shape, tp, k, onepage=True, state_dtype=ssm_dtype)
         assert bound.page_size_bytes == gdn.page_size_bytes == layout.page_bytes, where
-        assert gdn.shapes[cap.PAGE_RECORD] == layout.record_shape, where
-        assert gdn.shapes[cap.PAGE_FLAG] == (layout.flag_words,), where
+        assert gdn.shapes[pl.PAGE_RECORD] == layout.record_shape, where
+        assert gdn.shapes[pl.PAGE_FLAG] == (layout.flag_words,), where
         assert len(cls.get_mamba_state_shape_from_config(cfg)) == 4, where
         _, stock_ple = stock_cls.get_mamba_specs_from_config(cfg)
         assert ple == stock_ple and ple.tp_replicated, where

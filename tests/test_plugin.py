@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from r9k import capacity as cap
+from r9k import page_layout as pl
 from r9k.devtools.tiny_model import make_tiny
 
 
@@ -66,9 +67,13 @@ def test_onepage_decision_and_reasons(monkeypatch):
     assert onepage_reason(_cfg(mode="align")) is None
     assert "mamba_cache_mode='all' is not supported" in onepage_reason(_cfg(mode="all", device="cpu"))
     assert "InternS2Mobius" in onepage_reason(_cfg(arch="InternS2Mobius"))
-    odd = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=80,
+    odd = SimpleNamespace(linear_key_head_dim=192, linear_value_head_dim=128,
                           linear_num_key_heads=16, linear_num_value_heads=48)
-    assert "value head dim 80" in onepage_reason(_cfg(text=odd))
+    assert "key head dim 192 is not a power of two" in onepage_reason(_cfg(text=odd))
+    # any value dim: the kernel masks the stock kernel's value blocks (page_layout's one rule)
+    odd_v = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=80,
+                            linear_num_key_heads=16, linear_num_value_heads=48)
+    assert onepage_reason(_cfg(text=odd_v)) is None
     assert "do not split over TP 32" in onepage_reason(_cfg(tp=32))
     monkeypatch.setenv("R9K_GDN_STATE", "stock")
     assert onepage_reason(_cfg()) == "R9K_GDN_STATE=stock"
@@ -150,11 +155,11 @@ def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypat
     layout = cap.gdn_page_layout(cap.HybridModelShape.from_path(path), 1, 7, onepage=True,
                                  state_dtype="float32")
     assert page == layout.page_bytes
-    assert shapes[cap.PAGE_RECORD] == (cap.RECORD_SLOTS, 8, layout.record_row_width)
-    assert shapes[cap.PAGE_FLAG] == (layout.flag_words,)
+    assert shapes[pl.PAGE_RECORD] == (pl.RECORD_SLOTS, 8, layout.record_row_width)
+    assert shapes[pl.PAGE_FLAG] == (layout.flag_words,)
     # the page's extra dtypes are the capacity module's (record: the model dtype, flag: int32)
-    assert tuple(str(d).removeprefix("torch.") for d in dtypes[cap.PAGE_RECORD:]) == \
-        cap.onepage_extra_dtypes(str(cfg.model_config.dtype).removeprefix("torch.")) == \
+    assert tuple(str(d).removeprefix("torch.") for d in dtypes[pl.PAGE_RECORD:]) == \
+        pl.onepage_extra_dtypes(str(cfg.model_config.dtype).removeprefix("torch.")) == \
         ("bfloat16", "int32")
     monkeypatch.setenv("R9K_GDN_STATE", "stock")
     stock = Model.get_mamba_state_shape_from_config(cfg)

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from r9k.capacity import HybridModelShape, gdn_page_layout, onepage_extra_dtypes
+from r9k.capacity import HybridModelShape, gdn_page_layout
+from r9k.page_layout import onepage_extra_dtypes
 from r9k.policy import onepage_enabled
 
 

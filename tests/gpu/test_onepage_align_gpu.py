@@ -11,7 +11,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
+from r9k.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads, GdnInputs, onepage_verify_step  # noqa: E402
 from r9k.kernels.simulate import (  # noqa: E402
     ALIGN_EVENTS, assert_bit_identical, recycled_flags, run_align_simulation)

@@ -25,7 +25,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
+from r9k.page_layout import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.kernels.simulate import recycled_flags  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.capacity import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
+from r9k.page_layout import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.kernels.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
 from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured  # noqa: E402

@@ -12,7 +12,7 @@ from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_g
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
 from r9k import gdn_gpu  # noqa: E402
-from r9k.capacity import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
+from r9k.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.gpu_step import onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads, set_live  # noqa: E402
 

@@ -13,7 +13,7 @@ steps after a copy (which read the copied pages) equal too.
 import pytest
 import torch
 
-from r9k.capacity import FLAG_COUNT, FLAG_DTYPE, RECORD_SLOTS
+from r9k.page_layout import FLAG_COUNT, FLAG_DTYPE, RECORD_SLOTS
 from r9k.kernels.onepage import GdnHeads, TorchReference, replay_into, set_live
 from r9k.kernels.simulate import ALIGN_EVENTS, run_align_simulation
 

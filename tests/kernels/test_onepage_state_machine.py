@@ -7,7 +7,7 @@ after every step outputs are torch.equal and the checkpoint equals the slot stoc
 import pytest
 import torch
 
-from r9k.capacity import FLAG_COUNT, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
+from r9k.page_layout import FLAG_COUNT, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, TorchReference, clear_records, onepage_verify_step)
 from r9k.kernels.simulate import SimConfig, assert_replay_coverage, run_simulation

@@ -204,7 +204,7 @@ def test_flag_pairs_cover_the_kernel_grid(V, HV):
     value blocks): the layout check accepts exactly that width and names it when it is wrong."""
     import torch
 
-    from r9k.capacity import FLAG_WORDS, flag_words, kernel_programs_per_page
+    from r9k.page_layout import FLAG_WORDS, flag_words, kernel_programs_per_page
     from r9k.kernels.triton_fused import _check_layout, kernel_config
 
     c, _ = kernel_config(H=1, HV=HV, K=32, V=V, S=4, state_page_stride=HV * V * 32,
