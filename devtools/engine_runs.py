@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -166,12 +167,10 @@ def _run_join(llm, sc) -> list[list[int]]:
 def _percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
-    v = sorted(values)
-
-    def at(q: float) -> float:
-        return v[min(len(v) - 1, int(q * len(v)))]
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(v) / len(v)}
+    if len(values) == 1:
+        return {"p50": values[0], "p90": values[0], "p99": values[0], "mean": values[0]}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98], "mean": statistics.fmean(values)}
 
 
 def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
