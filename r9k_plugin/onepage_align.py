@@ -241,8 +241,8 @@ def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
     for layer, g in onepage.values():
         onepage_replay_into(A_log=layer.A_log, dt_bias=layer.dt_bias,
                             ssm_state=layer.kv_cache[PAGE_SSM], record=layer.onepage_record,
-                            flag=layer.onepage_flag, src_pages=src[g], dst_pages=dst[g], num_rows=rows,
-                            num_k_heads=layer.onepage_heads.num_k_heads)
+                            flag=layer.onepage_flag, src_pages=src[g], dst_pages=dst[g],
+                            num_rows=rows, num_k_heads=layer.onepage_heads.num_k_heads)
 
 
 class GpuAlignKernel:
