@@ -6,6 +6,7 @@ it over HTTP(S) (:mod:`~r9k.monitoring.web_config`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Iterator, Protocol
@@ -21,6 +22,8 @@ from r9k.monitoring.scrape_errors import ScrapeErrors
 from r9k.ops.config import DEFAULT_CONFIG_PATH
 from r9k.ops.state import DEFAULT_STATE_DIR
 
+logger = logging.getLogger(__name__)
+
 
 class _Collector(Protocol):
     def collect(self) -> Iterator[Metric]: ...
@@ -32,13 +35,27 @@ class R9kCollector:
         self.errors = errors
 
     def collect(self) -> Iterator[Metric]:
+        """node_exporter's way: each collector's metrics, its duration and whether it succeeded;
+        one that raises is left out of this scrape and marked 0, the others are served."""
         duration = GaugeMetricFamily("r9k_exporter_collect_seconds", "Time spent collecting, by collector.",
                                      labels=["collector"])
+        success = GaugeMetricFamily("r9k_exporter_collect_success",
+                                    "1 when the collector ran to the end this scrape, else 0.",
+                                    labels=["collector"])
         for name, part in self.parts.items():
             started = time.monotonic()
-            yield from list(part.collect())
+            try:
+                metrics = list(part.collect())
+            except Exception:  # noqa: BLE001  (isolated: the scrape goes on without it)
+                logger.exception("collector %s failed; its metrics are left out of this scrape", name)
+                metrics, ok = [], 0.0
+            else:
+                ok = 1.0
+            yield from metrics
             duration.add_metric([name], time.monotonic() - started)
+            success.add_metric([name], ok)
         yield duration
+        yield success
         yield from self.errors.collect()
 
 
