@@ -101,15 +101,23 @@ def find_card_logs(dri: Path) -> tuple[dict[str, Path | None], int]:
         if bdf is None:
             continue
         log = directory / LOG_FILE
-        try:
-            os.stat(log)
-        except FileNotFoundError:
+        if _absent(log):
             logs.setdefault(bdf, None)  # e.g. a render minor's own directory on older kernels
             continue
-        except OSError:
-            pass  # reading it says why, for this card alone
         logs[bdf] = log
     return logs, failures
+
+
+def _absent(path: Path) -> bool:
+    """True only when the file does not exist; another stat error (EACCES, EIO during a reset)
+    keeps the path, so reading it reports why, for that card alone."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

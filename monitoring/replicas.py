@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from r9k import capacity
 from r9k.config_errors import validation_message
-from r9k.fleet_status import FleetStatus, ReplicaDescription  # noqa: F401  (the typed interface)
+from r9k.fleet_status import FleetStatus, ReplicaDescription  # the typed interface (r9k.fleet_status)
 from r9k.http_client import http_get
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors

@@ -14,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
+from triton_interpret_cases import random_rows  # noqa: E402  (this directory: the same rows)
 
 
 def case(K: int, V: int) -> int:
@@ -35,11 +36,7 @@ def case(K: int, V: int) -> int:
         lens = torch.randint(1, S + 1, (n,), generator=g)
         cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
         T = int(cu[-1])
-        rows = dict(q=torch.randn(T, HK, K, generator=g).bfloat16(),
-                    k=torch.randn(T, HK, K, generator=g).bfloat16(),
-                    v=torch.randn(T, HV, V, generator=g).bfloat16(),
-                    a=torch.randn(T, HV, generator=g).bfloat16(),
-                    b=torch.randn(T, HV, generator=g).bfloat16())
+        rows = random_rows(g, T, HK, HV, K, V)
         outs = {impl: onepage_spec_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=st,
                                         record=rec, flag=fl, state_indices=pages,
                                         num_accepted=acc, cu_seqlens=cu, impl=impl)

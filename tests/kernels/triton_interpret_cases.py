@@ -66,6 +66,15 @@ def api_case() -> int:
     return 2
 
 
+def random_rows(g, T: int, HK: int, HV: int, K: int, V: int) -> dict:
+    """T post-conv verify rows (q, k, v, a, b) in bf16, as the layer hands them to the step."""
+    return dict(q=torch.randn(T, HK, K, generator=g).bfloat16(),
+                k=torch.randn(T, HK, K, generator=g).bfloat16(),
+                v=torch.randn(T, HV, V, generator=g).bfloat16(),
+                a=torch.randn(T, HV, generator=g).bfloat16(),
+                b=torch.randn(T, HV, generator=g).bfloat16())
+
+
 def _api_case(state_dtype) -> None:
     g = torch.Generator().manual_seed(7)
     HK, HV, K, V, S, n = 1, 2, 32, 64, 3, 3  # S = 3: not a power of two
@@ -85,11 +94,7 @@ def _api_case(state_dtype) -> None:
         lens = torch.randint(1, S + 1, (n,), generator=g)
         cu = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
         T = int(cu[-1])
-        rows = dict(q=torch.randn(T, HK, K, generator=g).bfloat16(),
-                    k=torch.randn(T, HK, K, generator=g).bfloat16(),
-                    v=torch.randn(T, HV, V, generator=g).bfloat16(),
-                    a=torch.randn(T, HV, generator=g).bfloat16(),
-                    b=torch.randn(T, HV, generator=g).bfloat16())
+        rows = random_rows(g, T, HK, HV, K, V)
         outs = {}
         for impl, (st, rec, fl) in pools.items():
             outs[impl] = onepage_spec_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=st,

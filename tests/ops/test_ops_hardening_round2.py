@@ -55,6 +55,24 @@ def _config(path, text, mode=0o644):
     return path
 
 
+def _marking_hook(tmp_path, echo: str):
+    """A drain hook (hooks/drain.sh, run by /bin/sh) appending `echo` to the file it returns."""
+    marks = tmp_path / "hook-ran"
+    script = tmp_path / "hooks" / "drain.sh"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "{echo}" >> {marks}\n')
+    os.chmod(script, 0o755)
+    return script, marks
+
+
+def _watch_once(log, cfg, host, state):
+    """`r9k ops watch --once --record --json` over a log file: the result and its events."""
+    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
+                                       "--config", str(cfg), "--host-root", str(host),
+                                       "--state-dir", str(state), "--json"])
+    return result, [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="hook checks need root-owned files")
 def test_item2_hook_arguments_and_the_config_directory_are_checked_too(tmp_path):
     """A 0666 script in a 0777 directory handed to /bin/sh or python3 (list or string form), or
@@ -123,11 +141,7 @@ def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypa
     import r9k.ops.watch as watch_mod
 
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
-    marks = tmp_path / "hook-ran"
-    script = tmp_path / "hooks" / "drain.sh"
-    script.parent.mkdir()
-    script.write_text(f'#!/bin/sh\necho "$R9K_BDF $R9K_EVENT" >> {marks}\n')
-    os.chmod(script, 0o755)
+    script, marks = _marking_hook(tmp_path, "$R9K_BDF $R9K_EVENT")
     cfg = _config(tmp_path / "ops.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n")
     log = tmp_path / "kern.log"
     log.write_text(f"[  1.0] {MES.format(A)}\n[  2.0] {MES.format(A)}\n"
@@ -138,11 +152,8 @@ def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypa
 
     monkeypatch.setattr(state_mod, "atomic_write_json", full)
     monkeypatch.setattr(watch_mod, "atomic_write_json", full)
-    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
-                                       "--config", str(cfg), "--host-root", str(host),
-                                       "--state-dir", str(tmp_path / "state"), "--json"])
+    result, events = _watch_once(log, cfg, host, tmp_path / "state")
     assert result.exit_code == 0, result.output
-    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
     assert [(e["bdf"], e["new"], e["fenced_now"]) for e in events] == [
         (A, True, True), (A, True, False), (None, True, False)]
     assert all("not saved to" in e["unsaved"] and "No space left" in e["unsaved"] for e in events)
@@ -170,11 +181,8 @@ def test_item4_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_pa
     # through the CLI: the first timeout is a host event, only the second fences card B
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     cfg = _config(tmp_path / "ops.yaml", CONFIG)
-    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
-                                       "--config", str(cfg), "--host-root", str(host),
-                                       "--state-dir", str(tmp_path / "state"), "--json"])
+    result, seen = _watch_once(log, cfg, host, tmp_path / "state")
     assert result.exit_code == 0, result.output
-    seen = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
     assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(None, True, False), (B, False, True)]
 
 
@@ -351,20 +359,13 @@ def test_item15_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
     from r9k.ops.watch import FileSource, Watcher
 
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
-    marks = tmp_path / "hook-ran"
-    script = tmp_path / "hooks" / "drain.sh"
-    script.parent.mkdir()
-    script.write_text(f'#!/bin/sh\necho "$R9K_BDF" >> {marks}\n')
-    os.chmod(script, 0o755)
+    script, marks = _marking_hook(tmp_path, "$R9K_BDF")
     cfg = _config(tmp_path / "ops.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n")
     log = tmp_path / "syslog"
     log.write_text("Nov 30 05:24:00 gpuhost systemd[1]: Started session 4.\n" + SYSLOG_MES.format(A) + "\n")
     state = tmp_path / "state"
-    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
-                                       "--config", str(cfg), "--host-root", str(host),
-                                       "--state-dir", str(state), "--json"])
+    result, events = _watch_once(log, cfg, host, state)
     assert result.exit_code == 0, result.output
-    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
     assert [(e["type"], e["bdf"], e["new"], e["fenced_now"]) for e in events] == [
         ("mes_timeout", A, False, False)]
     assert "logger -t kernel" in events[0]["unauthenticated"]
@@ -380,11 +381,8 @@ def test_item15_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
     trusted = _config(tmp_path / "trusted.yaml", CONFIG + f"hooks: [[/bin/sh, {script}]]\n"
                       "trust_syslog_kernel_tag: true\n")
     state2 = tmp_path / "state2"
-    result = CliRunner().invoke(main, ["ops", "watch", "--source", str(log), "--once", "--record",
-                                       "--config", str(trusted), "--host-root", str(host),
-                                       "--state-dir", str(state2), "--json"])
+    result, events = _watch_once(log, trusted, host, state2)
     assert result.exit_code == 0, result.output
-    events = [json.loads(line) for line in result.stdout.splitlines() if '"type"' in line]
     assert [(e["type"], e["new"], e["fenced_now"]) for e in events] == [("mes_timeout", True, True)]
     assert read_card_state(state2, A).healthy is False and marks.read_text().split() == [A]
 
