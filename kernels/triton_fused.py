@@ -657,6 +657,32 @@ def _device_warp_size(index: int) -> int:
     return int(size)
 
 
+_configs: dict[tuple, tuple[int, dict, dict]] = {}
+
+
+def _launch_config(H, HV, K, V, ssm_state, record, flag, use_qk_l2norm_in_kernel,
+                   has_row_map, variant) -> tuple[int, dict, dict]:
+    """(S, constexprs, options) of a launch, checked and computed once per layout: the checks
+    and the config are host work every layer pays per step without CUDA graphs (eager and
+    piecewise steps), and they depend only on what the key holds."""
+    key = (H, HV, K, V, tuple(ssm_state.shape[1:]), ssm_state.stride(), ssm_state.dtype,
+           tuple(record.shape[1:]), record.stride(), tuple(flag.shape[1:]), flag.stride(),
+           flag.dtype, ssm_state.device, bool(use_qk_l2norm_in_kernel), has_row_map,
+           tuple(sorted((n, tuple(x) if isinstance(x, list) else x)
+                        for n, x in variant.items())))
+    hit = _configs.get(key)
+    if hit is None:
+        S = _check_layout(ssm_state, record, flag, H, HV, K, V)
+        constexprs, options = kernel_config(
+            H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
+            state_dtype=str(ssm_state.dtype).removeprefix("torch."),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=has_row_map,
+            hip=torch.version.hip is not None, warp_size=_warp_size(ssm_state.device),
+            **variant)
+        hit = _configs[key] = (S, constexprs, options)
+    return hit
+
+
 def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag,
                        state_indices, num_accepted, cu_seqlens, row_map=None,
                        use_qk_l2norm_in_kernel=True, out=None, **variant) -> torch.Tensor:
@@ -665,12 +691,9 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
     T_all, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     N = state_indices.numel()
-    S = _check_layout(ssm_state, record, flag, H, HV, K, V)
-    constexprs, options = kernel_config(
-        H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
-        state_dtype=str(ssm_state.dtype).removeprefix("torch."),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=row_map is not None,
-        hip=torch.version.hip is not None, warp_size=_warp_size(ssm_state.device), **variant)
+    S, constexprs, options = _launch_config(
+        H, HV, K, V, ssm_state, record, flag, use_qk_l2norm_in_kernel, row_map is not None,
+        variant)
     if out is None:
         alloc = torch.zeros if row_map is not None else torch.empty
         out = alloc((T_all, HV, V), dtype=v.dtype, device=v.device)

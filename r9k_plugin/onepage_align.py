@@ -20,8 +20,9 @@ are the stock kernels.
   on every state but the one-page SSM states (the same grid over a filtered copy of the state
   metadata), computes each row's (source page, destination page, rows) on the device with the
   original's decision lines (`triton_align.align_pairs`) and replays into the destination
-  (`triton_align.onepage_replay_into`). No host sync after the first launch, which reads the
-  static state addresses once.
+  for every one-page layer at once (`triton_align.ReplayPlan`). No host sync after the first
+  launch, which reads the static state addresses once; a launch that repeats runs as a CUDA
+  graph (`r9k.align_graphs`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ from r9k.page_layout import PAGE_SSM
 _layers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _groups: list[tuple[str, ...]] = []  # one-page GDN kv-cache groups' layer names, in group order
 _resolved: dict[tuple, dict[int, tuple[object, int]]] = {}
+
+
+def reset() -> None:
+    """Forget every layer, group and cached launch (tests: one engine per process otherwise)."""
+    from r9k import align_graphs
+
+    _layers.clear(), _groups.clear(), _resolved.clear(), _stock_meta.clear(), _plans.clear()
+    align_graphs.reset()
 
 
 def track_layer(layer) -> None:
@@ -206,17 +215,29 @@ def _stock_state_meta(args: dict, onepage: dict) -> dict[str, torch.Tensor]:
     return _stock_meta[key]
 
 
-def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
-    """One launch of vLLM's align copy kernel `original` (arguments by name), one-page aware."""
-    onepage = _onepage_states(args["state_base_addrs_ptr"], args["state_group_indices_ptr"])
-    if not onepage:
-        original[grid](**args)
-        return
-    from r9k.kernels.triton_align import align_pairs, onepage_replay_into
+_plans: dict[tuple, object] = {}
+
+
+def _replay_plan(args: dict, onepage: dict):
+    """The `ReplayPlan` of the one-page SSM states the metadata names (made once)."""
+    from r9k.kernels.triton_align import ReplayLayer, ReplayPlan
+
+    key = _device_key(args["state_base_addrs_ptr"])
+    if key not in _plans:
+        _plans[key] = ReplayPlan([
+            ReplayLayer(A_log=layer.A_log, dt_bias=layer.dt_bias,
+                        ssm_state=layer.kv_cache[PAGE_SSM], record=layer.onepage_record,
+                        flag=layer.onepage_flag,
+                        num_k_heads=layer.onepage_heads.num_k_heads, group=g)
+            for layer, g in onepage.values()])
+    return _plans[key]
+
+
+def _align_launches(original, grid, boundary: bool, args: dict, onepage: dict) -> None:
+    """Every launch of one one-page-aware align copy: device work only, no host sync."""
+    from r9k.kernels.triton_align import align_pairs
 
     n = int(args["num_reqs"])
-    if n == 0:
-        return
     mapping = args["idx_mapping_ptr"] if args["HAS_IDX_MAPPING"] else None
     common = dict(num_reqs=n, num_groups=args["block_table_ptrs_ptr"].numel(),
                   block_table_ptrs=args["block_table_ptrs_ptr"],
@@ -238,11 +259,25 @@ def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     num_stock = meta["state_base_addrs_ptr"].numel()
     original[(grid[0], num_stock, *grid[2:])](**{**args, **meta})
-    for layer, g in onepage.values():
-        onepage_replay_into(A_log=layer.A_log, dt_bias=layer.dt_bias,
-                            ssm_state=layer.kv_cache[PAGE_SSM], record=layer.onepage_record,
-                            flag=layer.onepage_flag, src_pages=src[g], dst_pages=dst[g],
-                            num_rows=rows, num_k_heads=layer.onepage_heads.num_k_heads)
+    _replay_plan(args, onepage).replay(src, dst, rows)
+
+
+def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
+    """One launch of vLLM's align copy kernel `original` (arguments by name), one-page aware.
+
+    vLLM launches it every step, outside its CUDA graphs, and most steps copy nothing; the
+    one-page version is a few dozen launches (the fused kernel per layer), so a launch that
+    repeats (same kernel, batch size and buffers) runs as a CUDA graph (`align_graphs`)."""
+    onepage = _onepage_states(args["state_base_addrs_ptr"], args["state_group_indices_ptr"])
+    if not onepage:
+        original[grid](**args)
+        return
+    if int(args["num_reqs"]) == 0:
+        return
+    from r9k import align_graphs
+
+    align_graphs.run(functools.partial(_align_launches, original, grid, boundary),
+                     (id(original), boundary, grid), args, onepage)
 
 
 class GpuAlignKernel:
@@ -273,7 +308,11 @@ GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (signature, boundary
 
 def install_gpu_kernels(module) -> list[str]:
     """Put `GpuAlignKernel`s where `module` (vLLM's mamba_utils, or a stand-in in tests) holds
-    the two kernels; idempotent. Returns the names replaced."""
+    the two kernels; idempotent. Returns the names replaced. Checks `R9K_ALIGN_GRAPHS` here,
+    at registration, so a bad value stops the engine at start, not at its first step."""
+    from r9k import align_graphs
+
+    align_graphs.enabled()
     done = []
     for name, (signature_of, boundary) in GPU_KERNELS.items():
         original = getattr(module, name)

@@ -140,15 +140,11 @@ class World:
 @pytest.fixture
 def onepage_align(monkeypatch):
     """r9k.onepage_align with empty registries (its module state is per engine process)."""
-    import weakref
-
     from r9k import onepage_align as oa
 
-    monkeypatch.setattr(oa, "_layers", weakref.WeakValueDictionary())
-    monkeypatch.setattr(oa, "_groups", [])
-    monkeypatch.setattr(oa, "_resolved", {})
-    monkeypatch.setattr(oa, "_stock_meta", {})
-    return oa
+    oa.reset()
+    yield oa
+    oa.reset()
 
 
 def _stand_ins(oa):
@@ -279,7 +275,7 @@ def test_boundary_copy_stand_in_matches_original_and_replay(onepage_align, heads
         num_reqs = 9
         x, pairs = _postprocess_inputs(g, world, k=k, block_size=block_size, num_reqs=num_reqs,
                                        v2=runner == "v2", tally=tally)
-        oa._layers.clear(), oa._groups.clear(), oa._resolved.clear(), oa._stock_meta.clear()
+        oa.reset()
         layers = world.layers()
         _track(oa, world, layers)
         raw_stock, raw_onepage = world.clone_raw(), world.clone_raw()
@@ -347,7 +343,7 @@ def test_precopy_stand_in_matches_original_and_replay(onepage_align, state, runn
         pairs = [(int(r), int(si), int(di), int(bi) + 1) for r, si, di, bi in zip(req, s, d, b)]
         tally["moves"] += len(pairs)
         tally["kept"] += num_reqs - len(pairs)
-        oa._layers.clear(), oa._groups.clear(), oa._resolved.clear(), oa._stock_meta.clear()
+        oa.reset()
         layers = world.layers()  # the registry holds layers weakly, as the engine does
         _track(oa, world, layers)
         raw_stock, raw_onepage = world.clone_raw(), world.clone_raw()
@@ -394,3 +390,53 @@ def test_without_onepage_layers_the_original_runs_unchanged(onepage_align):
     for a, b in zip(world.raw, raw_stock):
         assert torch.equal(a, b)  # raw bytes
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("state", list(STATE_DTYPES))
+def test_repeated_launches_replay_as_a_cuda_graph(onepage_align, state):
+    """As vLLM's V2 runner launches the boundary copy every step: the same persistent buffers
+    with new values each step, idx_mapping a new tensor each step. The first launch runs
+    eagerly, the second is captured, later ones replay; every step's bytes equal the original
+    kernel's (conv, accepted counts) and the reference replay's (one-page pages)."""
+    from r9k import align_graphs
+
+    oa = onepage_align
+    ref, module = _stand_ins(oa)
+    g = torch.Generator().manual_seed(300)
+    k, block_size, num_reqs, tiles = 3, 4, 9, 16
+    world = World(g, HEADS["small"], STATE_DTYPES[state], k)
+    layers = world.layers()
+    _track(oa, world, layers)
+    meta, table_ptrs = world.meta(), world.table_ptrs()
+    max_reqs = world.tables[0].shape[0]
+    persistent = {name: torch.zeros(max_reqs, dtype=torch.int32, device=DEV)
+                  for name in ("accepted", "state_idx", "new_computed", "snapshot")}
+    grid = (num_reqs, len(meta[0]), tiles)
+    tally, steps = Counter(), 5
+    for step in range(steps):
+        x, pairs = _postprocess_inputs(g, world, k=k, block_size=block_size, num_reqs=num_reqs,
+                                       v2=True, tally=tally)
+        for name in ("accepted", "state_idx", "new_computed"):
+            persistent[name].copy_(x[name])
+        raw_stock, raw_onepage = world.clone_raw(), world.clone_raw()
+        out_stock = x["accepted"].clone()
+        persistent["snapshot"].copy_(persistent["accepted"])
+        module.postprocess_mamba_fused_kernel[grid](
+            persistent["snapshot"], persistent["state_idx"], None, persistent["new_computed"],
+            None, table_ptrs, world.tables[0].stride(0), *meta, persistent["accepted"],
+            x["mapping"].clone(), num_reqs, block_size=block_size, COPY_BLOCK_SIZE=1024,
+            CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, PRECOMPUTED_NEW_COMPUTED=True,
+            TEMPORAL_TILES=tiles)
+        ref.postprocess_mamba_fused_kernel[grid](
+            x["accepted"].clone(), x["state_idx"], None, x["new_computed"], None, table_ptrs,
+            world.tables[0].stride(0), *world.meta(raw_stock), out_stock, x["mapping"],
+            num_reqs, block_size=block_size, COPY_BLOCK_SIZE=1024, CONV_STATE_DIM_FIRST=False,
+            HAS_IDX_MAPPING=True, PRECOMPUTED_NEW_COMPUTED=True, TEMPORAL_TILES=tiles)
+        _reference_replays(world, raw_onepage, pairs)
+        torch.cuda.synchronize()
+        _assert_world(world, raw_stock, raw_onepage, f"step {step}")
+        assert torch.equal(persistent["accepted"], out_stock), f"step {step}: accepted counts"
+        tally["pairs"] += len(pairs)
+    assert tally["pairs"] > 0 and tally["in_place"] > 0, dict(tally)
+    assert align_graphs.stats() == {"graphs": 1, "captures": 1, "replays": steps - 2,
+                                    "eager": 1}, align_graphs.stats()
