@@ -116,6 +116,9 @@ def run(launches, launch_key: tuple, args: dict, onepage) -> None:
         return
     _graphs[key] = graph
     _state["captures"] += 1
+    if _state["captures"] == 1:
+        logger.info("r9k one-page align copies: repeated launches replay as CUDA graphs "
+                    "(%s=0 turns this off)", ALIGN_GRAPHS_ENV)
     graph.replay()
 
 

@@ -30,7 +30,8 @@ from r9k.capacity import RECORD_SLOTS
 from r9k.kernels.gpu_step import clear_flags
 from r9k.kernels.onepage import GdnHeads, set_live
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
-from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured, onepage_fused_step
+from r9k.kernels.triton_fused import (
+    DEP_ORDERED, OWN_PAIRS, _configs, measured, onepage_fused_step)
 
 
 def onepage_fused_step_kernel():
@@ -302,6 +303,8 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
                                      zip(samples["fused"], samples["stock"])]
     t["stock_eager_host"] = time_host_us(run_stock)
     t["fused_eager_host"] = time_host_us(run_fused)
+    # before issue 26: the layout checks and kernel config recomputed on every call
+    t["fused_eager_host_unmemoized"] = time_host_us(lambda: (_configs.clear(), run_fused()))
     res["time_us"] = {k_: round(v_, 2) for k_, v_ in t.items()}
     res["ratio_to_stock"] = {k_: round(v_ / t["stock"], 3) for k_, v_ in t.items()}
 
