@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from r9k.kernels.onepage import GdnHeads
-from r9k.kernels.simulate import recycled_flags
+from r9k.devtools.simulate import recycled_flags
 from r9k.kernels.triton_align import ReplayLayer, ReplayPlan
 from r9k.kernels.triton_fused import _configs, onepage_fused_step
 from r9k.page_layout import RECORD_SLOTS

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu,
 
 from r9k.page_layout import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.kernels.simulate import recycled_flags  # noqa: E402
+from r9k.devtools.simulate import recycled_flags  # noqa: E402
 
 DEV = "cuda"
 CONV_WIDTH = 3  # vLLM keeps conv_kernel_size - 1 tokens

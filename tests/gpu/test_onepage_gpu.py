@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 from r9k.page_layout import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.kernels.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
+from r9k.devtools.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
 from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured  # noqa: E402
 
 QWEN35_27B_TP2 = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)
@@ -27,7 +27,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _sim(heads, variant=None, **kw):
     """`variant`: kernel knobs (a `measured` dict); none: the kernel as shipped for the dtype."""
-    from r9k.kernels.triton_sim import FusedStepChecked, composed_backend
+    from r9k.devtools.triton_sim import FusedStepChecked, composed_backend
 
     chk = FusedStepChecked(**(variant or {}))
     cfg = SimConfig(heads, device="cuda", **kw)

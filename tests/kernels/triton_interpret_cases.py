@@ -12,9 +12,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.kernels.simulate import SimConfig, run_simulation  # noqa: E402
+from r9k.devtools.simulate import SimConfig, run_simulation  # noqa: E402
 from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
-from r9k.kernels.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
+from r9k.devtools.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
 
 # 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so several programs of
 # one page count in (the interpreter runs them one after another: this checks the counting,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from r9k.kernels.onepage import NULL_PAGE, GdnHeads, GdnInputs, onepage_verify_step
-from r9k.kernels.simulate import assert_bit_identical
+from r9k.devtools.simulate import assert_bit_identical
 from r9k.kernels.triton_composed import StockTritonComposed
 from r9k.kernels.triton_fused import onepage_fused_step
 
