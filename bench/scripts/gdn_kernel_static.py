@@ -27,13 +27,9 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gdn_kernel import SHAPES, VARIANTS  # noqa: E402
-
-from r9k.bench.kernel_static import (  # noqa: E402
-    SM90, cuda_facts, fused_compiled, hip_facts, stock_compiled)
-from r9k.kernels.triton_fused import STOCK_BV_MAX  # noqa: E402
+from r9k.bench.gdn_kernel import SHAPES, VARIANTS
+from r9k.bench.kernel_static import SM90, cuda_facts, fused_compiled, hip_facts, stock_compiled
+from r9k.kernels.triton_fused import STOCK_BV_MAX
 
 STATE_DTYPES = ("fp32", "bf16")
 

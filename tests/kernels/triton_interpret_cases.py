@@ -152,13 +152,10 @@ def skew_case() -> int:
 
 
 def bench_case() -> int:
-    """bench/scripts/gdn_kernel.py's configuration runner (it needs a GPU to time): its variants
+    """r9k.bench.gdn_kernel's configuration runner (it needs a GPU to time): its variants
     reach the kernel and each recording variant is checked against the shipped kernel's bits,
     so a device run is not spent finding a broken benchmark. Timers stubbed: nothing is timed."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "scripts"))
-    import gdn_kernel
+    from r9k.bench import gdn_kernel
 
     gdn_kernel.time_graph_us = lambda fn, **kw: (fn(), 1.0)[1]
     gdn_kernel.time_host_us = lambda fn, **kw: (fn(), 1.0)[1]
