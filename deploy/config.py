@@ -11,13 +11,11 @@ import shlex
 from pathlib import Path
 from typing import Literal, Union
 
-import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
 
 from r9k import capacity
-from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
-                                validation_message)
+from r9k.config_errors import decode_config_text, parse_yaml_model
 from r9k.http_client import is_loopback
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
@@ -270,18 +268,8 @@ class FleetConfig(_Strict):
 
 def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None = None) -> FleetConfig:
     """Schema and self-consistency only (no filesystem or cluster)."""
-    try:
-        data = load_yaml_strict(text)
-    except YamlKeyError as exc:
-        raise FleetConfigError(f"{source}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise FleetConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise FleetConfigError(f"{source}: expected a mapping with a `models` list at the top level")
-    try:
-        cfg = FleetConfig.model_validate(data)
-    except ValidationError as exc:
-        raise FleetConfigError(validation_message(exc, source, limit=3)) from None
+    cfg = parse_yaml_model(text, FleetConfig, source, FleetConfigError,
+                           top_level="a mapping with a `models` list", limit=3)
     cfg.base_dir = base_dir or Path(".").resolve()
     _check_consistency(cfg, source)
     return cfg

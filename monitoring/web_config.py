@@ -26,11 +26,10 @@ from socketserver import ThreadingMixIn
 from typing import Literal
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import yaml
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from r9k.config_errors import YamlKeyError, load_yaml_strict, validation_message
+from r9k.config_errors import decode_config_text, parse_yaml_model
 
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
 CONNECTION_TIMEOUT_S = 10.0  # a client that connects and says nothing holds one thread this long
@@ -60,19 +59,14 @@ def load_web_config(path: str | os.PathLike) -> tuple[WebConfig, ssl.SSLContext 
     """The parsed file and its TLS context (certificates loaded now, so a bad file stops start-up)."""
     path = Path(path)
     try:
-        data = load_yaml_strict(path.read_text())
+        text = decode_config_text(path.read_bytes(), path)
     except OSError as exc:
         raise WebConfigError(f"{path}: cannot read the web config file ({exc.strerror})") from None
-    except YamlKeyError as exc:
-        raise WebConfigError(f"{path}: {exc}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise WebConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise WebConfigError(f"{path}: expected a mapping with tls_server_config and/or basic_auth_users")
-    try:
-        config = WebConfig.model_validate(data)
-    except ValidationError as exc:
-        raise WebConfigError(validation_message(exc, str(path), limit=1)) from None
+    except ValueError as exc:
+        raise WebConfigError(str(exc)) from None
+    config = parse_yaml_model(text, WebConfig, str(path), WebConfigError,
+                              top_level="a mapping with tls_server_config and/or basic_auth_users",
+                              limit=1)
     for user, hashed in config.basic_auth_users.items():
         if not hashed.startswith(("$2a$", "$2b$", "$2y$")):
             raise WebConfigError(f"{path}: basic_auth_users.{user}: expected a bcrypt hash ($2b$...), "

@@ -12,12 +12,10 @@ import stat
 from pathlib import Path
 from typing import Literal, Union
 
-import yaml
 from pydantic import (Field, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, field_validator)
+                      field_validator)
 
-from r9k.config_errors import (YamlKeyError, decode_config_text, load_yaml_strict,
-                                validation_message)
+from r9k.config_errors import decode_config_text, parse_yaml_model
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
 
 DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
@@ -149,21 +147,8 @@ def _allowed_fields(loc: tuple) -> list[str]:
 
 
 def parse_config(text: str, source: str = "<config>") -> OpsConfig:
-    try:
-        data = load_yaml_strict(text)
-    except YamlKeyError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return OpsConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(validation_message(exc, source, expected=_EXPECTED,
-                                             allowed_fields=_allowed_fields)) from None
+    return parse_yaml_model(text, OpsConfig, source, ConfigError, empty={},
+                            expected=_EXPECTED, allowed_fields=_allowed_fields)
 
 
 def load_config(path: str | os.PathLike) -> OpsConfig:

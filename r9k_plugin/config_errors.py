@@ -1,11 +1,15 @@
 """One wording for configuration errors found by pydantic (ops config, fleet file, replica specs):
-where (the field path), what was wrong, what was given and, where known, what was expected. And
-one YAML reader for the config files, which refuses a key given twice."""
+where (the field path), what was wrong, what was given and, where known, what was expected. One
+YAML reader for the config files, which refuses a key given twice, and one YAML + pydantic
+loader (`parse_yaml_model`) that the fleet file, the ops config and the exporter's web config
+share."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+Model = TypeVar("Model", bound=BaseModel)
 
 # Parts of an error location that name a type or union branch, not a field the user wrote.
 _TYPE_TAG_PREFIXES = ("str", "int", "float", "bool", "list[", "dict[", "function-", "union[",
@@ -102,3 +106,29 @@ def load_yaml_strict(text: str):
 
     _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_yaml_model(text: str, model: type[Model], source: str, error: type[ValueError], *,
+                     top_level: str = "a mapping", empty: dict | None = None,
+                     **message) -> Model:
+    """A YAML config file's text as a validated `model`. Every problem is raised as `error`,
+    starting with `source`: a key given twice, text that is not YAML, a top level that is not a
+    mapping (`top_level` says what is expected there; `empty` stands for an empty file, where
+    one is allowed), and the model's field errors (`validation_message`, `message` its options)."""
+    import yaml
+
+    try:
+        data = load_yaml_strict(text)
+    except YamlKeyError as exc:
+        raise error(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None and empty is not None:
+        data = empty
+    if not isinstance(data, dict):
+        raise error(f"{source}: expected {top_level} at the top level, got "
+                    f"{type(data).__name__}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise error(validation_message(exc, source, **message)) from None
