@@ -23,6 +23,14 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+# a package an extra installs -> the extra (`pip install 'r9700-stack[EXTRA]'`); a subcommand
+# with an extra of its own names that one (aiohttp and psutil are in fleet and bench)
+EXTRA_OF_PACKAGE = {"ray": "fleet", "aiohttp": "fleet", "psutil": "fleet", "tqdm": "bench",
+                    "matplotlib": "plot", "safetensors": "dev", "transformers": "dev",
+                    "tokenizers": "dev"}
+EXTRA_OF_COMMAND = {"fleet": "fleet", "bench": "bench", "model": "dev", "demo": "dev"}
+
+
 class LazyGroup(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["r9k_json"] = "--json" in args  # seen before a subcommand's own parsing can fail
@@ -30,7 +38,10 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except ModuleNotFoundError as exc:  # a command importing its extra's packages
+                raise _missing_extra(ctx.invoked_subcommand or "", exc) from None
         except click.ClickException as exc:
             if not ctx.meta.get("r9k_json"):
                 raise
@@ -52,8 +63,18 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             if exc.name == module_name:
                 return None  # component not built yet
-            raise
+            raise _missing_extra(name, exc) from None
         return getattr(module, attr)
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> Exception:
+    """A UsageError naming the extra that installs the missing package, or `exc` itself."""
+    package = (exc.name or "").split(".")[0]
+    if package not in EXTRA_OF_PACKAGE:
+        return exc
+    extra = EXTRA_OF_COMMAND.get(command, EXTRA_OF_PACKAGE[package])
+    return click.UsageError(f"`r9k {command}` needs {package}, which is not installed; expected "
+                            f"the '{extra}' extra: pip install 'r9700-stack[{extra}]'")
 
 
 def _available(name: str) -> bool:

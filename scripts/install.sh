@@ -14,7 +14,7 @@ fi
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
 "${pip[@]}" install -q "torch==2.13.0"
-"${pip[@]}" install -q -e ".[cpu,test,plot]"
+"${pip[@]}" install -q -e ".[cpu,test]"  # test pulls fleet, bench, dev, plot
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" - <<'PY'
 import torch, vllm
