@@ -1,0 +1,41 @@
+"""bench/results/README.md lists every result file, and only those
+(`bench/scripts/index_results.py` writes it)."""
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _index_module():
+    spec = importlib.util.spec_from_file_location(
+        "index_results", ROOT / "bench" / "scripts" / "index_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_index_lists_every_result_file():
+    ix = _index_module()
+    missing, gone = ix.stale()
+    assert (missing, gone) == ([], []), (
+        f"not listed: {missing}; listed but gone: {gone}; run python bench/scripts/index_results.py")
+    assert len(ix.listed(ix.INDEX.read_text())) >= 100
+
+
+def test_a_new_file_makes_it_stale(tmp_path, monkeypatch):
+    ix = _index_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("gpu_perf_x.json", "gdn_kernel_y.md"):
+        (results / name).write_text('{"meta": {"command": "python run"}}' if name.endswith(
+            ".json") else "# a result\n")
+    monkeypatch.setattr(ix, "RESULTS", results)
+    monkeypatch.setattr(ix, "INDEX", results / "README.md")
+    assert ix.stale() == (["gdn_kernel_y.md", "gpu_perf_x.json"], [])
+    ix.INDEX.write_text(ix.render())
+    assert ix.stale() == ([], [])
+    text = ix.INDEX.read_text()
+    assert "| `gpu_perf_x.json` | command: `python run` |" in text
+    assert "| `gdn_kernel_y.md` | a result |" in text
+    (results / "gpu_perf_x.json").unlink()
+    assert ix.stale() == ([], ["gpu_perf_x.json"])
