@@ -8,12 +8,9 @@ Actor calls are awaited ObjectRefs; the few synchronous Ray calls are listed in 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +19,10 @@ from typing import Any, Coroutine
 import aiohttp
 
 from r9k.deploy import ray_backend
+from r9k.deploy.adoption import SUPERVISOR_TIMEOUT_S, adoptable
 from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec
-from r9k.deploy.engine import engine_argv, engine_env, planned_pool, prove_pages, rccl_env
+from r9k.deploy.engine import launch_spec, planned_pool, prove_pages, rccl_env
+from r9k.deploy.exporter_sidecar import ExporterSidecar
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
 from r9k.deploy.routing import EngineLoad
 from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
@@ -39,11 +38,7 @@ from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
-EXPORTER_PID_FILE = "exporter.pid"
-SUPERVISOR_TIMEOUT_S = 10.0
 ADOPT_PROBE_TIMEOUT_S = 20.0      # a restarted controller re-proves adopted replicas before serving
-EXPORTER_BACKOFF_S = 1.0          # first restart of an exited exporter; doubles per restart
-EXPORTER_BACKOFF_MAX_S = 60.0
 HISTORY_LINES = 20
 
 
@@ -78,8 +73,12 @@ class Replica:
 
 
 class FleetController(Backend):
-    def __init__(self, cfg: FleetConfig, run_dir: Path | None = None, config_path: str | None = None) -> None:
+    """`ray_side`: Ray's operations (`ray_backend.RaySide`; tests pass a fake)."""
+
+    def __init__(self, cfg: FleetConfig, run_dir: Path | None = None, config_path: str | None = None,
+                 ray_side: Any = None) -> None:
         self.cfg = cfg
+        self.ray_side = ray_side if ray_side is not None else ray_backend.RaySide()
         self.run_dir = Path(run_dir or cfg.run_dir or default_run_dir())
         self.config_path = config_path
         self.api_key = cfg.api_key()
@@ -92,10 +91,9 @@ class FleetController(Backend):
         self.session: aiohttp.ClientSession | None = None
         self.probe: HttpProbe | None = None
         self.monitor_task: asyncio.Task | None = None
-        self.exporter: subprocess.Popen | None = None
-        self.exporter_restarts = 0
-        self.exporter_last_exit: int | None = None
-        self.exporter_restart_at: float | None = None   # monotonic time of the next start attempt
+        self.exporter = (ExporterSidecar(cfg.exporter, cfg.health, self.run_dir,
+                                         f"{self.url}/fleet/status")
+                         if cfg.exporter is not None else None)
         self.started_ray = False
         self.stopping = asyncio.Event()
         self.plans = {m.name: planned_pool(m, cfg) for m in cfg.models}
@@ -115,13 +113,14 @@ class FleetController(Backend):
         """Validate against the cluster (raises before anything starts), adopt the replicas a
         previous controller left running, place and launch the rest, serve the entry point."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.started_ray = ray_backend.connect(self.cfg)
-        self.hosts = await ray_backend.inventory(self.cfg)
+        self.started_ray = self.ray_side.connect(self.cfg)
+        self.hosts = await self.ray_side.inventory(self.cfg)
         unusable = unusable_cards(self.cfg, self.ops_unhealthy())
         check_fits(self.cfg, self.hosts, unusable)
         self.pool = CardPool(self.hosts, unusable)
         slots = replica_slots(self.cfg)
-        adopted = await self._adoptable(slots)
+        adopted = await adoptable(self.cfg, self.ray_side, self.hosts, self.pool, slots,
+                                  self.api_key)
         for name, (a, _, _) in adopted.items():
             for bdf in a.cards:
                 self.pool.in_use[bdf] = name
@@ -147,62 +146,14 @@ class FleetController(Backend):
             if name not in adopted:
                 self._spawn(r, self._launch(r))
         self.monitor_task = asyncio.create_task(self._monitor())
-        self._start_exporter()
+        if self.exporter is not None:
+            self.exporter.start()
         (self.run_dir / CONTROLLER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "url": self.url, "config": self.config_path}))
 
     def _launch_spec(self, model: ModelSpec, a: Assignment) -> tuple[list[str], dict[str, str], dict]:
-        """argv and env of a replica's engine on its cards, and what its supervisor keeps of
-        them (host, cards and a digest of the launch) for a later controller to compare."""
         host_cards = [c.bdf for h in self.hosts if h.name == a.host for c in h.cards]
-        env = engine_env(model, self.cfg, a, host_cards)
-        if self.api_key:
-            env["VLLM_API_KEY"] = self.api_key
-        argv = engine_argv(model, self.cfg, "{host}", "{port}")
-        digest = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
-        return argv, env, {"host": a.host, "cards": list(a.cards), "cpu_bind": a.cpu_bind,
-                           "model": model.name, "launch": digest}
-
-    async def _adoptable(self, slots: list[ReplicaSlot]) -> dict[str, tuple[Assignment, RayReplica, dict]]:
-        """Supervisors a previous controller left in the fleet's namespace whose engine still
-        runs what this fleet file would launch, on usable cards: adopted without a restart.
-        The others (gone from the file, launched differently, engine dead, card fenced) are
-        released."""
-        wanted = {s.name: s for s in slots}
-        hosts = {h.name for h in self.hosts}
-        out = {}
-        for name in ray_backend.fleet_actor_replicas(self.cfg):
-            rr = RayReplica.find(name, self.cfg)
-            if rr is None:
-                continue
-            why, desc = None, {}
-            try:
-                desc = await rr.describe(SUPERVISOR_TIMEOUT_S)
-            except Exception as exc:
-                why = f"its supervisor does not answer ({type(exc).__name__})"
-            spec = desc.get("spec") or {}
-            if why is None and name not in wanted:
-                why = "not in the fleet file any more"
-            elif why is None and not (desc.get("alive") and desc.get("engine")):
-                why = "its engine is not running"
-            elif why is None and (spec.get("host") not in hosts
-                                  or any(b in self.pool.unusable for b in spec.get("cards", []))):
-                why = f"its cards {spec.get('host')} {spec.get('cards')} are not usable now"
-            if why is None:
-                a = Assignment(name, wanted[name].model, spec["host"], tuple(spec["cards"]),
-                               spec.get("cpu_bind"))
-                model = self.cfg.model(a.model).for_replica(name)
-                if spec.get("model") != a.model or spec.get("launch") != \
-                        self._launch_spec(model, a)[2]["launch"]:
-                    why = "the fleet file launches it differently now"
-            if why is not None:
-                log.warning("%s: not adopting the running replica: %s; releasing it", name, why)
-                await rr.release(self.cfg.health.drain_timeout_s)
-                continue
-            log.info("%s: adopting the running replica (engine pid %s)", name,
-                     desc["engine"]["pid"])
-            out[name] = (a, rr, desc)
-        return out
+        return launch_spec(model, self.cfg, a, host_cards, self.api_key)
 
     def _adopt(self, r: Replica, rr: RayReplica, desc: dict) -> None:
         """A running engine from a previous controller: routed once probed ready (the page proof
@@ -213,66 +164,8 @@ class FleetController(Backend):
         r.pid, r.engine_pids = eng["pid"], desc.get("engine_pids") or []
         self._note(r, r.lc.adopted(time.monotonic(), eng["start"], eng["pid"], eng["url"]))
 
-    def _start_exporter(self) -> None:
-        """The fleet's exporter: replicas only (each host's own `r9k exporter` has its cards)."""
-        if self.cfg.exporter is None:
-            return
-        argv = [sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--no-cards",
-                "--port", str(self.cfg.exporter.port), "--listen", self.cfg.exporter.listen,
-                "--fleet", f"{self.url}/fleet/status"]
-        if sys.platform.startswith("linux"):  # dies with the controller, even by SIGKILL
-            argv = [sys.executable, "-m", "r9k.deploy.child", str(os.getpid()), *argv]
-        self._stop_stale_exporter()
-        with open(self.run_dir / "exporter.log", "a") as out:  # appended: earlier runs' exits stay readable
-            self.exporter = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        (self.run_dir / EXPORTER_PID_FILE).write_text(str(self.exporter.pid))
-        self.exporter_restart_at = None
-
-    def _stop_stale_exporter(self) -> None:
-        """An exporter a killed controller left running (it holds the port): stopped, if the
-        pid file's process is still this fleet's exporter."""
-        import psutil
-
-        path = self.run_dir / EXPORTER_PID_FILE
-        try:
-            proc = psutil.Process(int(path.read_text().strip()))
-            cmdline = proc.cmdline()
-        except (OSError, ValueError, psutil.Error):
-            return
-        if "exporter" in cmdline and "--fleet" in cmdline and proc.pid != os.getpid():
-            log.warning("stopping the exporter an earlier controller left running (pid %d)", proc.pid)
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except psutil.TimeoutExpired:
-                proc.kill()
-
-    def _supervise_exporter(self, now: float | None = None) -> None:
-        """Restart an exporter that exited, with a doubling backoff (a port taken by someone else
-        is retried, not spun on); the exit is logged and shown in the status."""
-        if self.cfg.exporter is None or self.stopping.is_set():
-            return
-        if self.exporter is not None and self.exporter.poll() is None:
-            return
-        now = time.monotonic() if now is None else now
-        if self.exporter is not None:
-            self.exporter_last_exit = self.exporter.returncode
-            self.exporter = None
-            delay = min(EXPORTER_BACKOFF_MAX_S, EXPORTER_BACKOFF_S * 2 ** self.exporter_restarts)
-            self.exporter_restart_at = now + delay
-            log.warning("exporter exited with status %s; restarting in %.0f s (log: %s)",
-                        self.exporter_last_exit, delay, self.run_dir / "exporter.log")
-        if self.exporter_restart_at is not None and now >= self.exporter_restart_at:
-            self.exporter_restarts += 1
-            self._start_exporter()
-
     def exporter_status(self) -> ExporterStatus | None:
-        if self.cfg.exporter is None:
-            return None
-        running = self.exporter is not None and self.exporter.poll() is None
-        return ExporterStatus(url=host_url(self.cfg.exporter.listen, self.cfg.exporter.port) + "/metrics",
-                              pid=self.exporter.pid if running else None, running=running,
-                              restarts=self.exporter_restarts, last_exit=self.exporter_last_exit)
+        return self.exporter.status() if self.exporter is not None else None
 
     # -- carrying out the lifecycle's actions -----------------------------------------------------
 
@@ -322,8 +215,8 @@ class FleetController(Backend):
         r.lc.placing(a.host, a.cards)
         argv, env, spec = self._launch_spec(r.model, a)
         spec["avoid_ports"] = [self._port(o) for o in self.replicas.values() if o is not r]
-        r.ray = await RayReplica.place(r.name, a, self.cfg, argv, env, str(self.run_dir / "logs"),
-                                       self._port(r), spec)
+        r.ray = await self.ray_side.place(r.name, a, self.cfg, argv, env,
+                                          str(self.run_dir / "logs"), self._port(r), spec)
         await self._start_engine(r)
 
     def _port(self, r: Replica) -> int:
@@ -398,7 +291,8 @@ class FleetController(Backend):
     async def _monitor(self) -> None:
         while not self.stopping.is_set():
             try:
-                self._supervise_exporter()
+                if self.exporter is not None and not self.stopping.is_set():
+                    self.exporter.supervise()
                 self._ops_poll()
                 await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())
                                        if r.task is None and r.lc.state in PROBED_STATES))
@@ -535,8 +429,6 @@ class FleetController(Backend):
     # -- shutdown ---------------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        import ray
-
         self.stopping.set()
         if self.monitor_task:
             self.monitor_task.cancel()
@@ -547,19 +439,14 @@ class FleetController(Backend):
         for r in self.replicas.values():
             r.lc.shut_down()
         if self.exporter is not None:
-            self.exporter.terminate()
-            try:
-                self.exporter.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.exporter.kill()
-                self.exporter.wait()
+            self.exporter.stop()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:
             await self.session.close()
         (self.run_dir / CONTROLLER_FILE).unlink(missing_ok=True)
         if self.started_ray:
-            ray.shutdown()
+            self.ray_side.shutdown()
 
     async def run_forever(self) -> None:
         await self.start()

@@ -9,6 +9,9 @@ plugin, say) shows as a pool of another size or attention block, whatever the se
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 from r9k import capacity
 from r9k.fleet_status import PageProof  # the proof's type (the fleet status carries it)
 from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, ModelSpec,
@@ -61,6 +64,20 @@ def engine_env(model: ModelSpec, cfg: FleetConfig, assignment: Assignment,
     copy = [k for k in env if not k.startswith(("VLLM_", "NCCL_", "HF_"))]
     env[RAY_EXTRA_COPY] = ",".join(sorted(copy))
     return env
+
+
+def launch_spec(model: ModelSpec, cfg: FleetConfig, assignment: Assignment, host_cards: list[str],
+                api_key: str | None) -> tuple[list[str], dict[str, str], dict]:
+    """argv and env of a replica's engine on its cards, and what its supervisor keeps of them
+    (host, cards and a digest of the launch) for a later controller to compare: a running
+    engine is adopted only if this fleet file would launch it the same way."""
+    env = engine_env(model, cfg, assignment, host_cards)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    argv = engine_argv(model, cfg, "{host}", "{port}")
+    digest = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
+    return argv, env, {"host": assignment.host, "cards": list(assignment.cards),
+                       "cpu_bind": assignment.cpu_bind, "model": model.name, "launch": digest}
 
 
 def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:

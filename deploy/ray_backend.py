@@ -181,3 +181,30 @@ class RayReplica:
         ray.kill(self.actor)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
+
+
+class RaySide:
+    """What the controller asks of Ray, in one place: tests give the controller a fake with
+    these methods instead of patching this module."""
+
+    def connect(self, cfg: FleetConfig) -> bool:
+        return connect(cfg)
+
+    async def inventory(self, cfg: FleetConfig) -> list[HostSpec]:
+        return await inventory(cfg)
+
+    def fleet_replicas(self, cfg: FleetConfig) -> list[str]:
+        return fleet_actor_replicas(cfg)
+
+    def find(self, replica: str, cfg: FleetConfig) -> "RayReplica | None":
+        return RayReplica.find(replica, cfg)
+
+    async def place(self, replica: str, assignment: Assignment, cfg: FleetConfig, argv: list[str],
+                    env: dict[str, str], log_dir: str, port: int,
+                    spec: dict | None = None) -> "RayReplica":
+        return await RayReplica.place(replica, assignment, cfg, argv, env, log_dir, port, spec)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()

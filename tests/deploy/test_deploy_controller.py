@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from r9k.deploy import controller as controller_mod
+from r9k.deploy.adoption import adoptable
 from r9k.deploy.config import parse_fleet
 from r9k.deploy.controller import FleetController, Replica
 from r9k.deploy.lifecycle import DRAINING, LOADING, READY, STOPPED, UNHEALTHY, ReplicaLifecycle
@@ -50,6 +50,37 @@ class FakeRay:
         return self.desc
 
 
+class FakeRaySide:
+    """The controller's Ray side (`ray_backend.RaySide`'s methods) without Ray: replicas placed
+    get a FakeRay; `left` are supervisors a previous controller left running."""
+
+    def __init__(self, calls: list[str], placed: list[tuple]) -> None:
+        self.calls, self.placed = calls, placed
+        self.left: dict[str, FakeRay] = {}
+        self.place_error: Exception | None = None
+
+    def connect(self, cfg) -> bool:
+        return False
+
+    async def inventory(self, cfg):
+        return cfg.hosts
+
+    def fleet_replicas(self, cfg) -> list[str]:
+        return sorted(self.left)
+
+    def find(self, name, cfg):
+        return self.left.get(name)
+
+    async def place(self, replica, assignment, cfg, argv, env, log_dir, port, spec=None):
+        if self.place_error is not None:
+            raise self.place_error
+        self.placed.append((replica, assignment.cards, env["VLLM_CPU_OMP_THREADS_BIND"]))
+        return FakeRay(self.calls)
+
+    def shutdown(self) -> None:
+        pass
+
+
 class FakeProbe:
     def __init__(self) -> None:
         self.heartbeat_ok, self.text, self.metrics_reads = True, "", 0
@@ -75,7 +106,7 @@ def metrics_text(pool, mode: str, reason: str = "", tokens: float = 0.0) -> str:
 
 
 @pytest.fixture
-def fleet(tmp_path, monkeypatch):
+def fleet(tmp_path):
     from r9k.devtools.tiny_model import make_tiny
 
     make_tiny(tmp_path / "tiny", seed=0)
@@ -91,15 +122,9 @@ models:
   - {{name: tiny, path: {tmp_path / "tiny"}, replicas: 1, speculative: {{method: mtp, k: 3}},
      max_model_len: 4096, kv_cache_memory_bytes: {64 << 20}, state_dtype: float32}}
 """)
-    c = FleetController(cfg)
     calls: list[str] = []
     placed: list[tuple] = []
-
-    async def place(replica, assignment, cfg, argv, env, log_dir, port, spec=None):
-        placed.append((replica, assignment.cards, env["VLLM_CPU_OMP_THREADS_BIND"]))
-        return FakeRay(calls)
-
-    monkeypatch.setattr(controller_mod.RayReplica, "place", staticmethod(place))
+    c = FleetController(cfg, ray_side=FakeRaySide(calls, placed))
     c.hosts, c.pool, c.probe = cfg.hosts, CardPool(cfg.hosts), FakeProbe()
     [(name, a)] = plan_placement(replica_slots(cfg), c.pool, "cpu").items()
     r = Replica(name, cfg.model(a.model), a, ReplicaLifecycle(name, cfg.health))
@@ -279,11 +304,8 @@ def test_rolling_restart_stops_and_starts_each_ready_replica(fleet):
 def test_a_failing_step_leaves_the_replica_unhealthy_with_the_error(fleet):
     c, r = fleet
 
-    async def broken(*a, **k):
-        raise RuntimeError("placement group not ready")
-
     async def scenario():
-        controller_mod.RayReplica.place = staticmethod(broken)
+        c.ray_side.place_error = RuntimeError("placement group not ready")
         c._spawn(r, c._launch(r))
         await settle(r)
 
@@ -291,7 +313,7 @@ def test_a_failing_step_leaves_the_replica_unhealthy_with_the_error(fleet):
     assert (r.lc.state, r.lc.failures, r.lc.reason) == (UNHEALTHY, 1, "RuntimeError: placement group not ready")
 
 
-def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_rest(fleet, monkeypatch):
+def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_rest(fleet):
     """Supervisors left by a killed controller: the one running exactly this fleet file's launch
     on usable cards is adopted (no engine start, its pid kept, proven again before routing);
     one launched differently, one whose engine died, one no longer in the file and one on a
@@ -315,12 +337,10 @@ def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_res
     }
     for what, ray in cases.items():
         rays = {"tiny-0": ray, "gone-0": left([])}
-        monkeypatch.setattr(controller_mod.ray_backend, "fleet_actor_replicas",
-                            lambda cfg: sorted(rays))
-        monkeypatch.setattr(controller_mod.RayReplica, "find",
-                            staticmethod(lambda name, cfg: rays.get(name)))
+        c.ray_side.left = rays
         c.pool.unusable = {CARDS[0]: "mes timeout"} if what == "fenced card" else {}
-        adopted = run(c._adoptable(replica_slots(c.cfg)))
+        adopted = run(adoptable(c.cfg, c.ray_side, c.hosts, c.pool, replica_slots(c.cfg),
+                                c.api_key))
         assert rays["gone-0"].calls == ["release"], what
         if what != "adopted":
             assert adopted == {} and ray.calls == ["release"], what

@@ -194,30 +194,39 @@ def test_fleet_exporter_is_supervised_replicas_only_and_off_the_host_exporters_p
                     "state_dtype": "float32"}]}))
     controller = FleetController(load_fleet(tmp_path / "fleet.yaml"), tmp_path / "run")
     controller.run_dir.mkdir()
-    controller._start_exporter()
+    sidecar = controller.exporter
+    sidecar.start()
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         text = _metrics_text(url)
         assert 'r9k_exporter_collect_seconds{collector="replicas"}' in text
         assert "r9k_gpu_" not in text and 'collector="cards"' not in text  # the host exporter's job
-        first = controller.exporter.pid
+        # restarts follow the replicas' backoff (health.restart_backoff_s, default 5 s): the
+        # first at once, then 5 s, 10 s ...
+        base = controller.cfg.health.restart_backoff_s
+        first = sidecar.proc.pid
         os.kill(first, signal.SIGKILL)
-        controller.exporter.wait(10)
-        controller._supervise_exporter(now=1000.0)  # noticed: restart scheduled after the backoff
-        assert controller.exporter is None and controller.exporter_status().last_exit == -signal.SIGKILL
-        controller._supervise_exporter(now=1000.5)
-        assert controller.exporter is None
-        controller._supervise_exporter(now=1001.0)
-        assert controller.exporter is not None and controller.exporter.pid != first
+        sidecar.proc.wait(10)
+        sidecar.supervise(now=1000.0)
+        assert sidecar.proc is not None and sidecar.proc.pid != first
+        assert controller.exporter_status().last_exit == -signal.SIGKILL
+        assert 'collector="replicas"' in _metrics_text(url)
+        second = sidecar.proc.pid
+        os.kill(second, signal.SIGKILL)
+        sidecar.proc.wait(10)
+        sidecar.supervise(now=1010.0)  # noticed: restart scheduled after the backoff
+        assert sidecar.proc is None
+        sidecar.supervise(now=1010.0 + base - 0.5)
+        assert sidecar.proc is None
+        sidecar.supervise(now=1010.0 + base)
+        assert sidecar.proc is not None and sidecar.proc.pid not in (first, second)
         assert 'collector="replicas"' in _metrics_text(url)
         status = controller.status().exporter
-        assert (status.running, status.restarts, status.pid) == (True, 1, controller.exporter.pid)
-        controller._supervise_exporter(now=1002.0)  # running: left alone
-        assert controller.exporter_restarts == 1
+        assert (status.running, status.restarts, status.pid) == (True, 2, sidecar.proc.pid)
+        sidecar.supervise(now=1100.0)  # running: left alone
+        assert sidecar.restarts == 2
     finally:
-        if controller.exporter is not None:
-            controller.exporter.terminate()
-            controller.exporter.wait(10)
+        sidecar.stop()
 
 
 def test_fleet_check_validates_without_writing_anything(tmp_path, monkeypatch):

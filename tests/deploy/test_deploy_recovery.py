@@ -98,14 +98,14 @@ def test_exporter_a_killed_controller_left_is_stopped_before_a_new_one_starts(tm
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (c.run_dir / "exporter.pid").write_text(str(other.pid))
-        c._stop_stale_exporter()
+        c.exporter.stop_stale()
         assert other.poll() is None, "a process that is not an exporter was stopped"
         (c.run_dir / "exporter.pid").write_text(str(stale.pid))
-        c._start_exporter()
+        c.exporter.start()
         assert stale.wait(15) is not None
-        assert int((c.run_dir / "exporter.pid").read_text()) == c.exporter.pid
+        assert int((c.run_dir / "exporter.pid").read_text()) == c.exporter.proc.pid
     finally:
-        for p in (stale, other, c.exporter):
+        for p in (stale, other, c.exporter.proc):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(10)
