@@ -1,4 +1,7 @@
-"""Per-card collectors: sysfs telemetry, wanted vs actual power settings, ops events and health.
+"""Per-card collectors, one per source, each isolated by the exporter: `gpu` (sysfs telemetry
+and identity), `ops_power` (the ops config against the cards: wanted vs actual, drift,
+presence), `ops_state` (the ops state files: health, events, unattributed faults, the watcher's
+heartbeat).
 
 Everything is read at scrape time under ``host_root`` (default ``/``) through :mod:`r9k.ops`:
 ``power_status`` for wanted vs actual and drift, ``discover_cards`` for the hwmon directory,
@@ -49,8 +52,9 @@ def _label(hwmon: Path, prefix: str, fallback: dict[str, str]) -> str:
         return fallback.get(prefix, prefix)
 
 
-class CardCollector:
-    """Power, cap (actual and wanted), undervolt, temperatures, clocks, VRAM, busy, drift, health."""
+class _Source:
+    """What the three collectors share: where the host is, the ops config and state files, and
+    the scrape-error tally each source's failures go to."""
 
     def __init__(self, errors: ScrapeErrors, host_root: str | os.PathLike = "/",
                  state_dir: str | os.PathLike | None = None,
@@ -69,142 +73,67 @@ class CardCollector:
             self.errors.count("ops_config")
             return OpsConfig(), False
 
-    def _states(self) -> CardStates:
+    def _states(self, tally: bool = True) -> CardStates:
+        """The card state files; unreadable ones counted once per scrape (by the state
+        collector: `tally`)."""
         if self.state_dir is None:
             return CardStates()
         if not cards_dir(self.state_dir).is_dir():
-            self.errors.count("ops_state")
+            if tally:
+                self.errors.count("ops_state")
             return CardStates()
         try:
             states = read_card_states(self.state_dir)
         except (OSError, StateFileError):
-            self.errors.count("ops_state")
+            if tally:
+                self.errors.count("ops_state")
             return CardStates()
-        self.errors.count("ops_state", len(states.corrupt))
+        if tally:
+            self.errors.count("ops_state", len(states.corrupt))
         return states
 
-    def _host_events(self) -> list[HostEvent] | None:
-        """Unattributed faults; None (unknown, not zero) when the file cannot be read."""
-        if self.state_dir is None:
-            return []
+    def _cards(self, tally: bool = False) -> dict:
+        """The amdgpu cards on the bus; a failed read counted once per scrape (by the gpu
+        collector: `tally`)."""
         try:
-            return read_host_events(self.state_dir)
-        except (OSError, StateFileError):
-            self.errors.count("ops_state")
-            return None
+            return {c.bdf: c for c in sysfs.discover_cards(self.host_root)}
+        except (OSError, sysfs.NotReady):  # e.g. a device file vanishing mid-read (card off the bus)
+            if tally:
+                self.errors.count("sysfs")
+            return {}
+
+
+class GpuCollector(_Source):
+    """sysfs: card identity, power draw, default cap, temperatures, clocks, voltage, VRAM, busy,
+    and whether GPU recovery is off."""
 
     def collect(self) -> Iterator[Metric]:
         if not sysfs.host_path(self.host_root, "/sys/class/drm").is_dir():
             self.errors.count("sysfs")
-        config, config_valid = self._config()
-        try:
-            statuses = power_status(config, self.host_root, None)  # health comes from _states below
-            cards = {c.bdf: c for c in sysfs.discover_cards(self.host_root)}
-        except (OSError, sysfs.NotReady):  # e.g. a device file vanishing mid-read (card off the bus)
-            self.errors.count("sysfs")
-            statuses, cards = [], {}
-        states = self._states()
-        valid = _gauge("r9k_ops_config_valid",
-                       "1 when the ops config loaded; 0 when missing or refused (drift is then unknown).", [])
-        valid.add_metric([], 1.0 if config_valid else 0.0)
-        yield valid
-        yield from self._power(statuses, cards, states, config_valid)
-        yield from self._presence(config, cards)
+        cards = self._cards(tally=True)
+        yield from self._identity(cards)
         yield from self._telemetry(cards)
-        yield from self._events(cards, states)
-        yield from self._unattributed(self._host_events())
-        yield from self._watcher()
         recovery = sysfs.recovery_status(self.host_root)
         off = _gauge("r9k_host_gpu_recovery_disabled",
                      "1 when amdgpu.gpu_recovery=0 is in effect (a hung MES wedges only its GPU).", [])
         off.add_metric([], 1.0 if recovery.in_effect else 0.0)
         yield off
 
-    def _watcher(self) -> Iterable[Metric]:
-        if self.state_dir is None:
-            return []
-        when = last_heartbeat(self.state_dir)
-        if when is None:
-            return []  # never ran here: absent, which OpsWatcherStale also catches
-        beat_gauge = _gauge("r9k_ops_watch_heartbeat_timestamp_seconds",
-                            "Unix time the ops kernel-log watcher last finished a poll (every "
-                            "--interval while it runs).", [])
-        beat_gauge.add_metric([], when)
-        return [beat_gauge]
-
-    def _presence(self, config: OpsConfig, cards: dict) -> Iterable[Metric]:
-        presence = card_presence(config, sorted(cards))
-        expected = _gauge("r9k_gpu_expected_cards", "Cards the ops config expects (expected_cards; default 1).", [])
-        present = _gauge("r9k_gpu_present_cards",
-                         "Expected cards present on the bus (all amdgpu cards when expected_cards is a count).", [])
-        missing = _gauge("r9k_gpu_missing", "1 for each card the ops config lists that is not on the bus.",
-                         ["bdf"])
-        expected.add_metric([], float(presence.expected))
-        present.add_metric([], float(presence.present))
-        for bdf in presence.missing:
-            missing.add_metric([bdf], 1.0)
-        return [expected, present, missing]
-
-    def _unattributed(self, events: list[HostEvent] | None) -> Iterable[Metric]:
-        if events is None:
-            return []
-        family = CounterMetricFamily("r9k_host_unattributed_faults",
-                                     "Kernel-log faults no card could be named for, by event type.", labels=["event"])
-        counts = {e.type: e.count for e in events}
-        for event in sorted(set(EVENT_TYPES) | set(counts)):  # 0 from the start, so increase() sees the first
-            family.add_metric([event], float(counts.get(event, 0)))
-        return [family]
-
-    def _power(self, statuses: list[CardStatus], cards: dict, states: CardStates, config_valid: bool
-               ) -> Iterable[Metric]:
+    def _identity(self, cards: dict) -> Iterable[Metric]:
         info = _gauge("r9k_gpu_info", "Card identity (value 1).",
                       ["bdf", "card", "device_id", "unique_id", "model"])
         power = _gauge("r9k_gpu_power_watts", "Package power (power1_average, else power1_input).", ["bdf"])
-        cap = _gauge("r9k_gpu_power_cap_watts", "Power cap the card enforces (power1_cap).", ["bdf"])
         cap_default = _gauge("r9k_gpu_power_cap_default_watts", "Card default power cap.", ["bdf"])
-        cap_wanted = _gauge("r9k_gpu_power_cap_wanted_watts", "Power cap the ops config wants.", ["bdf"])
-        offset = _gauge("r9k_gpu_voltage_offset_volts", "VDDGFX offset in effect (negative: undervolt).",
-                        ["bdf"])
-        offset_wanted = _gauge("r9k_gpu_voltage_offset_wanted_volts",
-                               "VDDGFX offset the ops config wants.", ["bdf"])
-        drift = _gauge("r9k_gpu_config_drift",
-                       "1 when the card's cap or offset differs from the ops config (0 when fenced; absent "
-                       "while the config is refused or the card's state unreadable).", ["bdf"])
-        unhealthy = _gauge("r9k_gpu_unhealthy",
-                           "1 when ops fenced the card after a fault, or its state file is unreadable.", ["bdf"])
-        unreadable = _gauge("r9k_gpu_state_unreadable", "1 when the card's ops state file is corrupt.", ["bdf"])
-        for status in statuses:
-            bdf = status.bdf
-            card = cards.get(bdf)
-            if card is not None:
-                self.errors.count("sysfs", len(card.errors))
-                info.add_metric([bdf, card.card_name,
-                                 f"0x{card.device_id:04x}" if card.device_id is not None else "",
-                                 _unique_id(card.device_dir), "R9700" if card.is_r9700 else "amdgpu"], 1.0)
-                if card.power_watts is not None:
-                    power.add_metric([bdf], card.power_watts)
-                if card.cap_default_watts is not None:
-                    cap_default.add_metric([bdf], card.cap_default_watts)
-            if status.actual_cap_watts is not None:
-                cap.add_metric([bdf], status.actual_cap_watts)
-            if status.actual_offset_mv is not None:
-                offset.add_metric([bdf], status.actual_offset_mv / 1000.0)
-            if status.wanted_cap_watts is not None:
-                cap_wanted.add_metric([bdf], float(status.wanted_cap_watts))
-            if status.wanted_offset_mv is not None:
-                offset_wanted.add_metric([bdf], status.wanted_offset_mv / 1000.0)
-            st = states.get(bdf)
-            fenced = st is not None and st.sysfs_fenced(sysfs.boot_id(self.host_root))
-            # A fenced card is not reconciled on purpose; GpuUnhealthy pages for it instead.
-            if config_valid and bdf not in states.corrupt:
-                drift.add_metric([bdf], 1.0 if status.managed and status.drift and not fenced else 0.0)
-        for bdf in sorted({s.bdf for s in statuses} | set(states) | set(states.corrupt)):
-            # A card that left the bus keeps its health; an unreadable file may hide a fence.
-            st = states.get(bdf)
-            bad = bdf in states.corrupt or (st is not None and not st.healthy)
-            unhealthy.add_metric([bdf], 1.0 if bad else 0.0)
-            unreadable.add_metric([bdf], 1.0 if bdf in states.corrupt else 0.0)
-        return [info, power, cap, cap_default, cap_wanted, offset, offset_wanted, drift, unhealthy, unreadable]
+        for bdf, card in sorted(cards.items()):
+            self.errors.count("sysfs", len(card.errors))
+            info.add_metric([bdf, card.card_name,
+                             f"0x{card.device_id:04x}" if card.device_id is not None else "",
+                             _unique_id(card.device_dir), "R9700" if card.is_r9700 else "amdgpu"], 1.0)
+            if card.power_watts is not None:
+                power.add_metric([bdf], card.power_watts)
+            if card.cap_default_watts is not None:
+                cap_default.add_metric([bdf], card.cap_default_watts)
+        return [info, power, cap_default]
 
     def _telemetry(self, cards: dict) -> Iterable[Metric]:
         temp = _gauge("r9k_gpu_temperature_celsius", "Temperature by sensor (edge, junction, mem).",
@@ -239,6 +168,99 @@ class CardCollector:
                     family.add_metric([bdf, *extra], value * scale)
         return [temp, vddgfx, clock, used, total, busy]
 
+
+class OpsPowerCollector(_Source):
+    """The ops config against the cards: whether it loaded, cap and undervolt in effect and
+    wanted, drift, expected and present cards."""
+
+    def collect(self) -> Iterator[Metric]:
+        config, config_valid = self._config()
+        try:
+            statuses = power_status(config, self.host_root, None)  # health: the state collector
+        except (OSError, sysfs.NotReady):  # counted by the gpu collector
+            statuses = []
+        valid = _gauge("r9k_ops_config_valid",
+                       "1 when the ops config loaded; 0 when missing or refused (drift is then unknown).", [])
+        valid.add_metric([], 1.0 if config_valid else 0.0)
+        yield valid
+        yield from self._power(statuses, self._states(tally=False), config_valid)
+        yield from self._presence(config, self._cards())
+
+    def _power(self, statuses: list[CardStatus], states: CardStates, config_valid: bool
+               ) -> Iterable[Metric]:
+        cap = _gauge("r9k_gpu_power_cap_watts", "Power cap the card enforces (power1_cap).", ["bdf"])
+        cap_wanted = _gauge("r9k_gpu_power_cap_wanted_watts", "Power cap the ops config wants.", ["bdf"])
+        offset = _gauge("r9k_gpu_voltage_offset_volts", "VDDGFX offset in effect (negative: undervolt).",
+                        ["bdf"])
+        offset_wanted = _gauge("r9k_gpu_voltage_offset_wanted_volts",
+                               "VDDGFX offset the ops config wants.", ["bdf"])
+        drift = _gauge("r9k_gpu_config_drift",
+                       "1 when the card's cap or offset differs from the ops config (0 when fenced; absent "
+                       "while the config is refused or the card's state unreadable).", ["bdf"])
+        for status in statuses:
+            bdf = status.bdf
+            if status.actual_cap_watts is not None:
+                cap.add_metric([bdf], status.actual_cap_watts)
+            if status.actual_offset_mv is not None:
+                offset.add_metric([bdf], status.actual_offset_mv / 1000.0)
+            if status.wanted_cap_watts is not None:
+                cap_wanted.add_metric([bdf], float(status.wanted_cap_watts))
+            if status.wanted_offset_mv is not None:
+                offset_wanted.add_metric([bdf], status.wanted_offset_mv / 1000.0)
+            st = states.get(bdf)
+            fenced = st is not None and st.sysfs_fenced(sysfs.boot_id(self.host_root))
+            # A fenced card is not reconciled on purpose; GpuUnhealthy pages for it instead.
+            if config_valid and bdf not in states.corrupt:
+                drift.add_metric([bdf], 1.0 if status.managed and status.drift and not fenced else 0.0)
+        return [cap, cap_wanted, offset, offset_wanted, drift]
+
+    def _presence(self, config: OpsConfig, cards: dict) -> Iterable[Metric]:
+        presence = card_presence(config, sorted(cards))
+        expected = _gauge("r9k_gpu_expected_cards", "Cards the ops config expects (expected_cards; default 1).", [])
+        present = _gauge("r9k_gpu_present_cards",
+                         "Expected cards present on the bus (all amdgpu cards when expected_cards is a count).", [])
+        missing = _gauge("r9k_gpu_missing", "1 for each card the ops config lists that is not on the bus.",
+                         ["bdf"])
+        expected.add_metric([], float(presence.expected))
+        present.add_metric([], float(presence.present))
+        for bdf in presence.missing:
+            missing.add_metric([bdf], 1.0)
+        return [expected, present, missing]
+
+
+class OpsStateCollector(_Source):
+    """The ops state files: each card's health and kernel-log event counts, faults no card could
+    be named for, the watcher's heartbeat."""
+
+    def collect(self) -> Iterator[Metric]:
+        states, cards = self._states(), self._cards()
+        yield from self._health(cards, states)
+        yield from self._events(cards, states)
+        yield from self._unattributed(self._host_events())
+        yield from self._watcher()
+
+    def _host_events(self) -> list[HostEvent] | None:
+        """Unattributed faults; None (unknown, not zero) when the file cannot be read."""
+        if self.state_dir is None:
+            return []
+        try:
+            return read_host_events(self.state_dir)
+        except (OSError, StateFileError):
+            self.errors.count("ops_state")
+            return None
+
+    def _health(self, cards: dict, states: CardStates) -> Iterable[Metric]:
+        unhealthy = _gauge("r9k_gpu_unhealthy",
+                           "1 when ops fenced the card after a fault, or its state file is unreadable.", ["bdf"])
+        unreadable = _gauge("r9k_gpu_state_unreadable", "1 when the card's ops state file is corrupt.", ["bdf"])
+        for bdf in sorted(set(cards) | set(states) | set(states.corrupt)):
+            # A card that left the bus keeps its health; an unreadable file may hide a fence.
+            st = states.get(bdf)
+            bad = bdf in states.corrupt or (st is not None and not st.healthy)
+            unhealthy.add_metric([bdf], 1.0 if bad else 0.0)
+            unreadable.add_metric([bdf], 1.0 if bdf in states.corrupt else 0.0)
+        return [unhealthy, unreadable]
+
     def _events(self, cards: dict, states: CardStates) -> Iterable[Metric]:
         events = CounterMetricFamily("r9k_gpu_events", "Kernel-log events counted by the ops watcher.",
                                      labels=["bdf", "event"])
@@ -253,6 +275,32 @@ class CardCollector:
             if st is not None and st.last_event is not None:
                 last.add_metric([bdf], st.last_event.time)
         return [events, last]
+
+    def _unattributed(self, events: list[HostEvent] | None) -> Iterable[Metric]:
+        if events is None:
+            return []
+        family = CounterMetricFamily("r9k_host_unattributed_faults",
+                                     "Kernel-log faults no card could be named for, by event type.", labels=["event"])
+        counts = {e.type: e.count for e in events}
+        for event in sorted(set(EVENT_TYPES) | set(counts)):  # 0 from the start, so increase() sees the first
+            family.add_metric([event], float(counts.get(event, 0)))
+        return [family]
+
+    def _watcher(self) -> Iterable[Metric]:
+        if self.state_dir is None:
+            return []
+        when = last_heartbeat(self.state_dir)
+        if when is None:
+            return []  # never ran here: absent, which OpsWatcherStale also catches
+        beat_gauge = _gauge("r9k_ops_watch_heartbeat_timestamp_seconds",
+                            "Unix time the ops kernel-log watcher last finished a poll (every "
+                            "--interval while it runs).", [])
+        beat_gauge.add_metric([], when)
+        return [beat_gauge]
+
+
+CARD_COLLECTORS = {"gpu": GpuCollector, "ops_power": OpsPowerCollector,
+                   "ops_state": OpsStateCollector}  # name in r9k_exporter_collect_*{collector}
 
 
 def _unique_id(device_dir: Path) -> str:

@@ -1,7 +1,7 @@
 """The exporter: one registry of collect-on-scrape collectors, served over HTTP.
 
-``build_collector(...)`` gives the composite collector (cards, optionally the MES event logs,
-replicas, scrape errors last so a scrape's own failures show in that scrape); ``serve(...)`` serves
+``build_collector(...)`` gives the composite collector (the card sources `gpu`, `ops_power`,
+`ops_state`, optionally the MES event logs, replicas, scrape errors last so a scrape's own failures show in that scrape); ``serve(...)`` serves
 it over HTTP(S) (:mod:`~r9k.monitoring.web_config`).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from r9k.monitoring import web_config
-from r9k.monitoring.cards import CardCollector
+from r9k.monitoring.cards import CARD_COLLECTORS
 from r9k.monitoring.mes_log import MesLogCollector
 from r9k.monitoring.replicas import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
 from r9k.monitoring.scrape_errors import ScrapeErrors
@@ -69,7 +69,8 @@ def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.Path
     errors = ScrapeErrors()
     parts: dict[str, _Collector] = {}
     if cards:
-        parts["cards"] = CardCollector(errors, host_root, state_dir, config_path)
+        for name, collector in CARD_COLLECTORS.items():
+            parts[name] = collector(errors, host_root, state_dir, config_path)
         if debugfs is not None:
             parts["mes_log"] = MesLogCollector(errors, host_root, debugfs)
     parts["replicas"] = ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s)

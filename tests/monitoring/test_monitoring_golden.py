@@ -46,7 +46,7 @@ def test_metrics_text_matches_the_golden_file(tmp_path):
     if os.environ.get("R9K_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), "the /metrics text changed: diff it with " + str(GOLDEN)
-    for name in ("cards", "mes_log", "replicas"):
+    for name in ("gpu", "ops_power", "ops_state", "mes_log", "replicas"):  # one per source
         assert f'r9k_exporter_collect_success{{collector="{name}"}} 1.0' in text
 
 
@@ -62,7 +62,13 @@ def test_a_failing_collector_is_isolated_and_marked(tmp_path):
     parts = dict(good.parts, mes_log=_Broken())
     text = render(build_registry(R9kCollector(parts, good.errors)))
     assert 'r9k_exporter_collect_success{collector="mes_log"} 0.0' in text
-    assert 'r9k_exporter_collect_success{collector="cards"} 1.0' in text
+    assert 'r9k_exporter_collect_success{collector="gpu"} 1.0' in text
     assert 'r9k_gpu_present_cards' in text  # the cards are still served
     assert "r9k_gpu_mes_log_unchanged_seconds" not in text
     assert isinstance(good.parts["mes_log"], MesLogCollector)
+    # one card source failing leaves the other two: the state files gone mid-scrape
+    text = render(build_registry(R9kCollector(dict(good.parts, ops_state=_Broken()), good.errors)))
+    assert 'r9k_exporter_collect_success{collector="ops_state"} 0.0' in text
+    assert "r9k_gpu_unhealthy" not in text and "r9k_gpu_events_total" not in text
+    assert 'r9k_exporter_collect_success{collector="ops_power"} 1.0' in text
+    assert "r9k_gpu_power_cap_wanted_watts{" in text and "r9k_gpu_vram_used_bytes{" in text

@@ -23,7 +23,7 @@ from doubles.prometheus_server import prometheus_tool
 from doubles.ops_host import (CardSpec, add_debugfs_card, build_host_tree, debugfs_dri, mes_ring,
                               render_mes_event_log)
 from r9k.cli import main
-from r9k.monitoring.cards import CardCollector
+from r9k.monitoring.cards import CARD_COLLECTORS
 from r9k.monitoring.exporter import R9kCollector, build_collector, build_registry, render
 from r9k.monitoring.mes_log import MesLogCollector
 from r9k.monitoring.scrape_errors import ScrapeErrors
@@ -56,8 +56,10 @@ def log_path(root, bdf: str):
 def exporter_with_clock(root, clock) -> R9kCollector:
     """What build_collector(..., debugfs=DEBUGFS) builds, with the clock passed in."""
     errors = ScrapeErrors()
-    return R9kCollector({"cards": CardCollector(errors, root, None, root / "no-ops.yaml"),
-                         "mes_log": MesLogCollector(errors, root, DEBUGFS, clock=clock)}, errors)
+    parts = {name: collector(errors, root, None, root / "no-ops.yaml")
+             for name, collector in CARD_COLLECTORS.items()}
+    parts["mes_log"] = MesLogCollector(errors, root, DEBUGFS, clock=clock)
+    return R9kCollector(parts, errors)
 
 
 def scrape(collector) -> dict[tuple[str, frozenset], float]:
