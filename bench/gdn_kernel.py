@@ -30,8 +30,16 @@ from r9k.capacity import RECORD_SLOTS
 from r9k.kernels.gpu_step import clear_flags
 from r9k.kernels.onepage import GdnHeads, set_live
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
-from r9k.kernels.triton_fused import (
-    DEP_ORDERED, OWN_PAIRS, _configs, measured, onepage_fused_step)
+from r9k.bench import fused_variants
+from r9k.bench.fused_variants import DEP_ORDERED, OWN_PAIRS, measured
+from r9k.kernels.triton_fused import _configs, onepage_fused_step
+
+
+def _fused_step(variant: dict | None = None, **kw):
+    """The shipped kernel (no variant), or the research kernel with a measured variant."""
+    if variant is None:
+        return onepage_fused_step(**kw)
+    return fused_variants.onepage_fused_step(**kw, **variant)
 
 
 def onepage_fused_step_kernel():
@@ -53,7 +61,7 @@ SHAPES = {
     "flash-next-tp4": GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# fused-kernel variants (keyword arguments of onepage_fused_step) that --variants can time:
+# research-kernel variants (`r9k.bench.fused_variants` knobs) that --variants can time:
 # knobs on the fenced kernel (`measured`), whatever the state dtype ships
 VARIANTS = {
     # the count-in protocols that shipped before the own pairs ("fused"), on any state dtype
@@ -239,11 +247,10 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
 
     fused_pools = onepage_pools()
 
-    def run_fused(**variant):
+    def run_fused(variant=None):
         pool, record, flag = fused_pools
-        onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool, record=record,
-                           flag=flag, state_indices=pages, num_accepted=acc, cu_seqlens=cu,
-                           **variant)
+        _fused_step(variant, **rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool, record=record,
+                    flag=flag, state_indices=pages, num_accepted=acc, cu_seqlens=cu)
 
     # composed kernels only: the two stock launches one-page makes (indices prebuilt)
     comp_pool = onepage_pools()[0]
@@ -269,7 +276,7 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     for name in variants:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-        fns[name] = (lambda kw=VARIANTS[name]: run_fused(**kw))
+        fns[name] = (lambda kw=VARIANTS[name]: run_fused(kw))
     # each variant that records must leave exactly the shipped kernel's bits (one step on
     # fresh pools); stage-dropping variants are timing probes only
     bits = {}
@@ -278,10 +285,9 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     probes = ("stages", "record_parts", "replay_prep", "count_probe", "own_barrier")
     for name in ["fused"] + [v_ for v_ in variants if not set(probes) & set(VARIANTS[v_])]:
         pool, record, flag = (x_.clone() for x_ in base)
-        out = onepage_fused_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=pool,
-                                 record=record, flag=flag, state_indices=pages,
-                                 num_accepted=acc, cu_seqlens=cu,
-                                 **VARIANTS.get(name, {}))
+        out = _fused_step(VARIANTS.get(name), **rows, A_log=A_log, dt_bias=dt_bias,
+                          ssm_state=pool, record=record, flag=flag, state_indices=pages,
+                          num_accepted=acc, cu_seqlens=cu)
         got = (out, pool, record, flag)
         if ref is None:
             ref = got

@@ -46,23 +46,41 @@ def _compile(fn, sig: dict, constexprs: dict, options: dict, target, extra_div=(
     return triton.compile(src, target=target, options=options)
 
 
-def fused_compiled(heads, state: str, S: int, variant: dict, target):
-    from r9k.kernels.triton_fused import kernel_config, onepage_gdn_step_kernel as kern
+_STATE_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
-    H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
-    constexprs, options = kernel_config(H=H, HV=HV, K=K, V=V, S=S,
-                                        state_dtype={"bf16": "bfloat16", "fp32": "float32",
-                                                     "fp16": "float16"}[state],
-                                        state_page_stride=HV * V * K,
-                                        hip=target.backend == "hip", warp_size=target.warp_size,
-                                        **variant)
+
+def _fused_signature(kern, state: str, constexprs: dict) -> dict:
     ptr = {"A_log": "*fp32", "h": f"*{state}", "flag": "*i32", "cu_seqlens": "*i32",
            "state_indices": "*i32", "num_accepted": "*i32", "row_map": "*i32"}
     scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",
             "stride_record_page": "i64", "stride_flag_page": "i32"}
-    sig = {n: ptr.get(n) or scal.get(n) or "*bf16" for n in kern.arg_names
-           if n not in constexprs}
-    return _compile(kern, sig, constexprs, options, target, extra_div=("stride_record_page",))
+    return {n: ptr.get(n) or scal.get(n) or "*bf16" for n in kern.arg_names
+            if n not in constexprs}
+
+
+def shipped_compiled(heads, state: str, S: int, target, has_row_map: bool = False):
+    """The package's fused kernel (`r9k.kernels.triton_fused`), as its launcher configures it."""
+    from r9k.kernels.triton_fused import kernel_config, onepage_gdn_step_kernel as kern
+
+    H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
+    constexprs, options = kernel_config(H=H, HV=HV, K=K, V=V, S=S, state_dtype=_STATE_DTYPE[state],
+                                        state_page_stride=HV * V * K, has_row_map=has_row_map)
+    return _compile(kern, _fused_signature(kern, state, constexprs), constexprs, options, target,
+                    extra_div=("stride_record_page",))
+
+
+def fused_compiled(heads, state: str, S: int, variant: dict, target, has_row_map: bool = False):
+    """The research kernel (`r9k.bench.fused_variants`) with a measured variant's knobs; `{}`:
+    its knobs at the shipped settings."""
+    from r9k.bench.fused_variants import kernel_config, onepage_gdn_step_kernel as kern
+
+    H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
+    constexprs, options = kernel_config(H=H, HV=HV, K=K, V=V, S=S, state_dtype=_STATE_DTYPE[state],
+                                        state_page_stride=HV * V * K, has_row_map=has_row_map,
+                                        hip=target.backend == "hip", warp_size=target.warp_size,
+                                        **variant)
+    return _compile(kern, _fused_signature(kern, state, constexprs), constexprs, options, target,
+                    extra_div=("stride_record_page",))
 
 
 def stock_compiled(heads, state: str, S: int, target):

@@ -8,6 +8,8 @@ torch.equal, so each step checks fused == composed == stock.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from r9k.kernels.onepage import NULL_PAGE, GdnHeads, GdnInputs, onepage_verify_step
@@ -23,20 +25,21 @@ def composed_backend(A_log: torch.Tensor, dt_bias: torch.Tensor) -> StockTritonC
 class FusedStepChecked:
     """An `onepage_step` for run_simulation: fused kernel, cross-checked against composed."""
 
-    def __init__(self, **variant) -> None:
+    def __init__(self, fused_step: Callable = onepage_fused_step) -> None:
+        """`fused_step`: the shipped kernel's launcher, or a research variant's
+        (`r9k.bench.fused_variants.checked`)."""
         self.steps = 0
-        self.variant = variant  # kernel_config's measured variants; none: the shipped kernel
+        self.fused_step = fused_step
 
     def __call__(self, backend: StockTritonComposed, heads: GdnHeads, state_pool, record_pool,
                  flag_pool, pages, num_accepted, x: GdnInputs, cu_seqlens, row_map=None):
         pool_c, record_c, flag_c = state_pool.clone(), record_pool.clone(), flag_pool.clone()
         out_c = onepage_verify_step(backend, heads, pool_c, record_c, flag_c, pages,
                                     num_accepted, x, cu_seqlens, row_map)
-        out = onepage_fused_step(
+        out = self.fused_step(
             q=x.q, k=x.k, v=x.v, a=x.a, b=x.b, A_log=backend.A_log, dt_bias=backend.dt_bias,
             ssm_state=state_pool, record=record_pool, flag=flag_pool, state_indices=pages,
-            num_accepted=num_accepted, cu_seqlens=cu_seqlens, row_map=row_map,
-            **self.variant)
+            num_accepted=num_accepted, cu_seqlens=cu_seqlens, row_map=row_map)
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         live_rows = torch.repeat_interleave(pages.long() != NULL_PAGE, lens)
         rows = row_map.long()[live_rows] if row_map is not None else live_rows.nonzero().flatten()

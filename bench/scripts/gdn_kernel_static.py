@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 from r9k.bench.gdn_kernel import SHAPES, VARIANTS
-from r9k.bench.kernel_static import SM90, cuda_facts, fused_compiled, hip_facts, stock_compiled
+from r9k.bench.kernel_static import (SM90, cuda_facts, fused_compiled, hip_facts,
+                                     shipped_compiled, stock_compiled)
 from r9k.kernels.triton_fused import STOCK_BV_MAX
 
 STATE_DTYPES = ("fp32", "bf16")
@@ -104,8 +105,8 @@ def main(argv=None) -> int:
             for dname in args.dtypes.split(","):
                 kernels = {"stock": stock_compiled(heads, dname, S, target)}
                 for name in ["fused"] + variants:
-                    kernels[name] = fused_compiled(heads, dname, S, VARIANTS.get(name, {}),
-                                                   target)
+                    kernels[name] = (shipped_compiled(heads, dname, S, target) if name == "fused"
+                                     else fused_compiled(heads, dname, S, VARIANTS[name], target))
                 for name, ck in kernels.items():
                     row = {"target": f"{target.backend}:{target.arch}", "shape": shape,
                            "state": dname, "kernel": name, **facts(ck)}

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 from r9k.page_layout import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.devtools.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
-from r9k.kernels.triton_fused import DEP_ORDERED, OWN_PAIRS, measured  # noqa: E402
+from r9k.bench.fused_variants import DEP_ORDERED, OWN_PAIRS, checked, measured  # noqa: E402
 
 QWEN35_27B_TP2 = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)
 FLASH_NEXT_TP4 = GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128)
@@ -29,7 +29,7 @@ def _sim(heads, variant=None, **kw):
     """`variant`: kernel knobs (a `measured` dict); none: the kernel as shipped for the dtype."""
     from r9k.devtools.triton_sim import FusedStepChecked, composed_backend
 
-    chk = FusedStepChecked(**(variant or {}))
+    chk = checked(**variant) if variant else FusedStepChecked()
     cfg = SimConfig(heads, device="cuda", **kw)
     st = run_simulation(cfg, composed_backend, onepage_step=chk)
     assert chk.steps == cfg.steps * cfg.layers

@@ -10,8 +10,8 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from r9k.bench.kernel_static import fused_compiled, stock_compiled  # noqa: E402
-from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
+from r9k.bench.fused_variants import DEP_ORDERED, measured  # noqa: E402
+from r9k.bench.kernel_static import fused_compiled, shipped_compiled, stock_compiled  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 
 R9700 = GPUTarget("hip", "gfx1201", 32)
@@ -22,8 +22,8 @@ S = 8
 
 @pytest.mark.parametrize("state_ty,variant",
                          [("fp32", measured(prefetch=0)), ("bf16", measured(prefetch=0)),
-                          # as shipped (own flag pairs)
-                          ("fp32", {}), ("bf16", {}),
+                          # as shipped (own flag pairs): the package's kernel
+                          ("fp32", None), ("bf16", None),
                           # the count-in protocols, and measured variants (issue 16):
                           # they must build for the R9700 too
                           ("fp32", measured(**DEP_ORDERED)), ("bf16", measured()),
@@ -31,7 +31,8 @@ S = 8
                           ("bf16", measured(prefetch=2, late=True, rec_in_verify=True))])
 def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, variant):
     # both with the options their launchers pass (enable_fp_fusion left to Triton's default)
-    fused = fused_compiled(QWEN35_27B_TP2, state_ty, S, variant, R9700)
+    fused = (shipped_compiled(QWEN35_27B_TP2, state_ty, S, R9700) if variant is None
+             else fused_compiled(QWEN35_27B_TP2, state_ty, S, variant, R9700))
     stock = stock_compiled(QWEN35_27B_TP2, state_ty, S, R9700)
     for ck in (fused, stock):
         assert ck.metadata.target.arch == "gfx1201" and ck.metadata.warp_size == 32
@@ -149,7 +150,7 @@ def test_shipped_protocol_has_no_atomic_on_sm90(state_ty):
     """Both state dtypes ship the own-pair protocol: no atomic, no fence; a barrier before
     the pair's stores (every warp has used its pair reads)."""
     heads = GdnHeads(**_FLASH_NEXT_TP2)
-    ptx = fused_compiled(heads, state_ty, 4, {}, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = shipped_compiled(heads, state_ty, 4, GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert not re.search(r"\batom\.|\bred\.global|\bfence\.|membar", ptx)
     # the reductions have barriers of their own: the flip's is the one the probe leaves out
     unfenced = fused_compiled(heads, state_ty, 4, dict(own_barrier=False),
@@ -189,7 +190,7 @@ def test_count_in_protocols_on_sm90(state_ty, protocol):
 def test_dep_count_target_follows_the_warp_size():
     """One counting lane per warp: 4 per program on wave32 and on wave64 alike (CDNA), so every
     warp that reads the flag orders its own reads before a count."""
-    from r9k.kernels.triton_fused import kernel_config
+    from r9k.bench.fused_variants import kernel_config
 
     for warp in (32, 64):
         c, _ = kernel_config(H=8, HV=16, K=128, V=128, S=4, state_page_stride=16 * 128 * 128,

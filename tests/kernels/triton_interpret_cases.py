@@ -13,7 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 from r9k.devtools.simulate import SimConfig, run_simulation  # noqa: E402
-from r9k.kernels.triton_fused import DEP_ORDERED, measured  # noqa: E402
+from r9k.bench.fused_variants import DEP_ORDERED, checked, measured  # noqa: E402
 from r9k.devtools.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
 
 # 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so several programs of
@@ -49,7 +49,7 @@ CROSS = [(CASES[0], measured(**DEP_ORDERED)), (CASES[0], measured())]
 def sim_cases() -> int:
     cases = ([(c, {}) for c in CASES] + [(VARIANT_CASE, v) for v in VARIANTS] + CROSS)
     for case, variant in cases:
-        chk = FusedStepChecked(**variant)
+        chk = checked(**variant) if variant else FusedStepChecked()
         st = run_simulation(SimConfig(TINY, **case), composed_backend, onepage_step=chk)
         assert chk.steps == st.steps * case.get("layers", 1)
         assert st.replay_hist[0] > 0 and sum(v for r, v in st.replay_hist.items() if r > 0) > 0
@@ -138,10 +138,10 @@ def skew_case() -> int:
     for variant in (dict(skew_spin=3), measured(skew_spin=3),
                     measured(**DEP_ORDERED, skew_spin=3)):
         run_simulation(SimConfig(TINY, **case), composed_backend,
-                       onepage_step=FusedStepChecked(**variant))
+                       onepage_step=checked(**variant))
     try:
         run_simulation(SimConfig(TINY, **case), composed_backend,
-                       onepage_step=FusedStepChecked(**measured(**DEP_ORDERED, count_probe=2,
+                       onepage_step=checked(**measured(**DEP_ORDERED, count_probe=2,
                                                                 skew_spin=3)))
     except AssertionError as e:
         assert "fused step" in str(e), e
