@@ -7,6 +7,9 @@ stock reads next).
 Shapes per TP rank: Qwen3.5-27B at TP2 (8 key heads, 24 value heads, 128/128) and "Flash-Next"
 at TP4, taken as Qwen3-Next-80B-A3B's GDN geometry (16/32 heads -> 4/8 per rank, 128/128):
 Qwen4Exp's own GDN head counts are not public here, so this is a stand-in.
+
+Tests marked `research` run the research kernel's measured variants (`r9k.bench.fused_variants`,
+168 of them in one function); `pytest tests/gpu -m "not research"` runs what ships.
 """
 import pytest
 import torch
@@ -52,6 +55,7 @@ def test_fused_composed_stock_bit_identical(shape, state, num_spec, num_seqs):
         assert_replay_coverage(st, num_candidates=1 + num_spec)
 
 
+@pytest.mark.research
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("state", list(DTYPES))
 @pytest.mark.parametrize("num_seqs", [1, 64, 256])
@@ -84,6 +88,7 @@ MEASURED_VARIANTS = {
 }
 
 
+@pytest.mark.research
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("state", list(DTYPES))
 @pytest.mark.parametrize("variant", list(MEASURED_VARIANTS))
@@ -100,6 +105,7 @@ def test_measured_variants_bit_identical(shape, state, variant, num_seqs):
 SKEW_SPIN = 20000
 
 
+@pytest.mark.research
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("state", list(DTYPES))
 @pytest.mark.parametrize("protocol", ["own_pairs", "fenced", "dep_ordered"])
@@ -112,6 +118,7 @@ def test_protocols_hold_when_a_program_starts_late(shape, state, protocol):
     assert_replay_coverage(st, num_candidates=4)
 
 
+@pytest.mark.research
 @pytest.mark.parametrize("state", list(DTYPES))
 def test_skew_exposes_a_flip_that_does_not_wait(state):
     """The test above has teeth: with the count-in removed (one program flips the flag at its
