@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from r9k.devtools.demo import Server
+from r9k.devtools.local_server import LocalServer
 
 
 def tiny_model(workdir: Path, seed: int = 0) -> Path:
@@ -23,11 +23,11 @@ def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
                   kv_bytes: int = 64 << 20, max_model_len: int = 4096, max_num_seqs: int = 8,
                   cpu_bind: str | None = None, tag: str = "",
                   env: dict[str, str] | None = None, prefix_caching: bool = False,
-                  extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
+                  extra_args: tuple[str, ...] = ()) -> Iterator[LocalServer]:
     """A started replica (stock or one-page pages; prefix caching off unless asked, vLLM's
     mamba_cache_mode "align" when on); stopped on exit, however the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
-    server = Server(model, mode, num_spec, kv_bytes, max_model_len,
+    server = LocalServer(model, mode, num_spec, kv_bytes, max_model_len,
                     workdir / f"vllm-{mode}{tag}.log", max_num_seqs=max_num_seqs,
                     cpu_bind=cpu_bind, extra_env=env, prefix_caching=prefix_caching,
                     extra_args=extra_args)
@@ -40,7 +40,7 @@ def local_replica(model: Path, mode: str, workdir: Path, *, num_spec: int = 3,
         server.stop()
 
 
-def run_recorded(cmd: list[str], out: Path, server: Server, **replica: object) -> int:
+def run_recorded(cmd: list[str], out: Path, server: LocalServer, **replica: object) -> int:
     """Run an `r9k bench` command line against `server`, then add the replica (mode, cpus, its
     logged KV capacity) and the command, as a user would type it, to the JSON it wrote."""
     import json

@@ -3,76 +3,24 @@
 Generates the tiny hybrid model, serves it with vLLM's OpenAI-compatible server (MTP
 speculative decoding, the r9k plugin loaded) once with stock pages and once with one-page
 pages, sends the same requests to both, and prints the answers side by side with each engine's
-logged KV-cache capacity next to the planner's prediction and the pool share that running
-requests pin.
+KV-cache capacity (its pool on /metrics, read as the fleet reads a replica) next to the
+planner's prediction and the pool share that running requests pin.
 """
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import click
 
 from r9k import capacity as cap
-from r9k.http_client import http_get, http_request
-from r9k.vllm_metrics import parse_vllm_metrics
-from r9k.deploy.server import ApiServerLaunch, ServerError, ServerProcess
-from r9k.devtools.engine_runs import KV_LINE
+from r9k.devtools.local_server import LocalServer, http_json
 
 PROMPTS = ["The state of the page is", "Replay the accepted rows", "Hello, R9700 fleet!"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
-    resp = http_request(url, method="POST" if payload is not None else "GET", json_body=payload,
-                        timeout_s=timeout)
-    if resp.status != 200:
-        raise click.ClickException(f"{url}: HTTP {resp.status}: {resp.text[:300]}")
-    return resp.json()
-
-
-class Server:
-    """One api_server of the tiny model on loopback (the shared launcher, r9k.deploy.server), its
-    log captured to a file."""
-
-    def __init__(self, model: Path, mode: str, num_spec: int, kv_bytes: int, max_len: int,
-                 log_path: Path, *, max_num_seqs: int = 8, cpu_bind: str | None = None,
-                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
-                 prefix_caching: bool = False) -> None:
-        self.launch = ApiServerLaunch(
-            model, "tiny", free_port(), max_len, kv_bytes, num_spec=num_spec, spec_method="mtp",
-            prefix_caching=prefix_caching, state_dtype="float32",
-            extra_args=("--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--seed", "0",
-                        *extra_args),
-            env={"R9K_GDN_STATE": mode, **(extra_env or {})}, cpu_bind=cpu_bind)
-        self.port, self.url = self.launch.port, self.launch.url
-        self.log_path = log_path
-        self.max_num_seqs = max_num_seqs
-        self.process = ServerProcess.start(self.launch.argv(), log_path, self.launch.environ())
-        self.proc = self.process.proc
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        try:
-            self.process.wait_healthy(self.url, timeout_s)
-        except ServerError as exc:
-            raise click.ClickException(str(exc)) from None
-
-    def kv_tokens(self) -> int | None:
-        m = KV_LINE.search(self.log_path.read_text(errors="replace"))
-        return int(m.group(1).replace(",", "")) if m else None
-
-    def stop(self) -> None:
-        self.process.stop()
-
-
-def ask(server: Server, prompt: str, max_tokens: int) -> tuple[list[int] | None, str]:
+def ask(server: LocalServer, prompt: str, max_tokens: int) -> tuple[list[int] | None, str]:
     out = http_json(server.url + "/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True})
@@ -109,7 +57,8 @@ def demo(workdir: Path, num_spec: int, kv_mib: int, max_model_len: int, max_toke
     for mode in ("stock", "onepage"):
         click.echo(f"starting vLLM ({mode} pages, MTP k={num_spec}) ...")
         t0 = time.monotonic()
-        server = Server(model, mode, num_spec, kv_bytes, max_model_len, workdir / f"vllm-{mode}.log")
+        server = LocalServer(model, mode, num_spec, kv_bytes, max_model_len,
+                             workdir / f"vllm-{mode}.log")
         try:
             server.wait_ready()
             started = time.monotonic() - t0
@@ -117,7 +66,7 @@ def demo(workdir: Path, num_spec: int, kv_mib: int, max_model_len: int, max_toke
             chat = http_json(server.url + "/v1/chat/completions", {
                 "model": "tiny", "messages": [{"role": "user", "content": "Say hi"}],
                 "max_tokens": 8, "temperature": 0})
-            page = parse_vllm_metrics(http_get(server.url + "/metrics").decode()).plugin or {}
+            page = server.metrics().plugin or {}
             result["modes"][mode] = {
                 "ready_s": round(started, 1), "kv_cache_tokens": server.kv_tokens(),
                 "page_mode_metric": {k: page.get(k) for k in ("page_mode", "reason",
@@ -143,7 +92,8 @@ def _print(result: dict, plan: cap.CapacityPlan) -> None:
     click.echo(f"chat answer (one-page): {o['chat'][:40]!r}")
     click.echo("")
     click.echo(f"{'':34}{'stock':>12}{'one-page':>12}")
-    click.echo(f"{'KV cache tokens (engine log)':34}{s['kv_cache_tokens']:>12,}{o['kv_cache_tokens']:>12,}")
+    click.echo(f"{'KV cache tokens (engine /metrics)':34}{s['kv_cache_tokens']:>12,}"
+               f"{o['kv_cache_tokens']:>12,}")
     click.echo(f"{'KV cache tokens (planner)':34}{plan.stock.tokens:>12,}{plan.onepage.tokens:>12,}")
     click.echo(f"{'pool pinned by 8 running requests':34}{plan.stock.pinned_fraction:>12.1%}"
                f"{plan.onepage.pinned_fraction:>12.1%}")

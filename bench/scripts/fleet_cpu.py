@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent  # bench/
 R9K = str(Path(sys.executable).with_name("r9k"))

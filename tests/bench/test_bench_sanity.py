@@ -10,7 +10,7 @@ from doubles.fake_openai import FakeOpenAI, answer_ids, prompt_hash
 
 from r9k.bench.sanity import candidate_prompts
 from r9k.cli import main
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 
 ARGS = ["--candidates", "24", "--pre-prompt-chars", "200", "--concurrency", "12", "--quiet"]
 

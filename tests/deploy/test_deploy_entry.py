@@ -13,7 +13,7 @@ from aiohttp import web
 from click.testing import CliRunner
 
 from r9k.cli import main
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 from r9k.http_client import http_request
 from r9k.deploy.entry import EntryPoint, Route
 from r9k.monitoring.replicas import FleetStatus

@@ -70,7 +70,7 @@ def fleet(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     from r9k.deploy.controller import FleetController
-    from r9k.devtools.demo import free_port
+    from r9k.devtools.local_server import free_port
     from r9k.devtools.tiny_model import make_tiny
 
     base = tmp_path_factory.mktemp("fleet")

@@ -177,7 +177,7 @@ def test_item7_slow_clients_do_not_starve_normal_ones():
 
     from doubles.entry_fleet import LoopServers, Table
     from r9k.deploy.entry import EntryPoint, serve
-    from r9k.devtools.demo import free_port
+    from r9k.devtools.local_server import free_port
     from r9k.http_client import http_request
 
     servers = LoopServers()
@@ -276,7 +276,7 @@ def test_item7_the_next_request_on_a_kept_alive_connection_has_a_header_deadline
 
     from doubles.entry_fleet import LoopServers, Table
     from r9k.deploy.entry import EntryPoint, serve
-    from r9k.devtools.demo import free_port
+    from r9k.devtools.local_server import free_port
 
     servers = LoopServers()
     port = free_port()

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux")
 

@@ -8,7 +8,7 @@ import threading
 from aiohttp import web
 
 from r9k.deploy.entry import EntryPoint, Route, serve
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 from r9k.fleet_status import FleetStatus, ReplicaStatus
 
 

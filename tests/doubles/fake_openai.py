@@ -12,7 +12,7 @@ import threading
 
 from aiohttp import web
 
-from r9k.devtools.demo import free_port
+from r9k.devtools.local_server import free_port
 
 OVER_LENGTH = ("This model's maximum context length is {n} tokens. However, your prompt contains "
                "at least {p} input tokens, which exceeds this limit even without any output tokens.")

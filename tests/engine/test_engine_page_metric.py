@@ -10,7 +10,7 @@ import pytest
 
 from r9k import capacity
 from r9k.deploy.engine import prove_pages
-from r9k.devtools.demo import Server
+from r9k.devtools.local_server import LocalServer
 from r9k.vllm_metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -19,7 +19,7 @@ KV_BYTES, MAX_LEN, K = 64 << 20, 4096, 3
 
 
 def _serve_and_read(model, tmp_path, name: str, env: dict[str, str]) -> str:
-    server = Server(model, env.pop("R9K_GDN_STATE"), K, KV_BYTES, MAX_LEN, tmp_path / f"{name}.log",
+    server = LocalServer(model, env.pop("R9K_GDN_STATE"), K, KV_BYTES, MAX_LEN, tmp_path / f"{name}.log",
                     extra_env=env)
     try:
         server.wait_ready()

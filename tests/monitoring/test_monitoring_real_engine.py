@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 
 from r9k import capacity
-from r9k.devtools.demo import Server
+from r9k.devtools.engine_runs import KV_LINE
+from r9k.devtools.local_server import LocalServer
 from r9k.monitoring.exporter import build_collector, build_registry, serve
 from doubles.monitored_host import build_monitored_host
 from r9k.monitoring.replicas import ReplicaDescription
@@ -39,7 +40,7 @@ def test_real_engine_replica(tmp_path):
     model = tmp_path / "tiny"
     make_tiny(model)
     root, state, config = build_monitored_host(tmp_path / "host")
-    server = Server(model, "onepage", K, KV_BYTES, MAX_LEN, tmp_path / "vllm.log")
+    server = LocalServer(model, "onepage", K, KV_BYTES, MAX_LEN, tmp_path / "vllm.log")
     stop = threading.Event()
     exporter = None
     try:
@@ -56,7 +57,9 @@ def test_real_engine_replica(tmp_path):
                                  kv_bytes_per_rank=KV_BYTES, max_model_len=MAX_LEN,
                                  platform="cpu", state_dtype="float32")
             api.wait("the replica scraped", lambda: api.query('r9k_replica_up{replica="cpu0"} == 1'))
-            assert server.kv_tokens() == plan.onepage.tokens
+            assert server.kv_tokens() == plan.onepage.tokens  # read off /metrics
+            logged = KV_LINE.search(server.log_path.read_text(errors="replace"))
+            assert logged and int(logged.group(1).replace(",", "")) == plan.onepage.tokens
             assert api.value('r9k_kv_pool_blocks{replica="cpu0"}') == plan.onepage.num_blocks
             assert api.value('r9k_kv_capacity_tokens{replica="cpu0",page_mode="onepage"}') \
                 == plan.onepage.tokens
