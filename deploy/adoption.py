@@ -51,9 +51,8 @@ async def adoptable(cfg: FleetConfig, ray_side: Any, hosts: list[HostSpec], pool
             a = Assignment(name, wanted[name].model, spec["host"], tuple(spec["cards"]),
                            spec.get("cpu_bind"))
             model = cfg.model(a.model).for_replica(name)
-            host_cards = [c.bdf for h in hosts if h.name == a.host for c in h.cards]
             if spec.get("model") != a.model or spec.get("launch") != \
-                    launch_spec(model, cfg, a, host_cards, api_key)[2]["launch"]:
+                    launch_spec(model, cfg, a, hosts, api_key)[2]["launch"]:
                 why = "the fleet file launches it differently now"
         if why is not None:
             log.warning("%s: not adopting the running replica: %s; releasing it", name, why)

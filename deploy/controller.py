@@ -152,8 +152,7 @@ class FleetController(Backend):
             {"pid": os.getpid(), "url": self.url, "config": self.config_path}))
 
     def _launch_spec(self, model: ModelSpec, a: Assignment) -> tuple[list[str], dict[str, str], dict]:
-        host_cards = [c.bdf for h in self.hosts if h.name == a.host for c in h.cards]
-        return launch_spec(model, self.cfg, a, host_cards, self.api_key)
+        return launch_spec(model, self.cfg, a, self.hosts, self.api_key)
 
     def _adopt(self, r: Replica, rr: RayReplica, desc: dict) -> None:
         """A running engine from a previous controller: routed once probed ready (the page proof

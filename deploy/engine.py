@@ -14,8 +14,8 @@ import json
 
 from r9k import capacity
 from r9k.fleet_status import PageProof  # the proof's type (the fleet status carries it)
-from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, ModelSpec,
-                               split_args)
+from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, HostSpec,
+                               ModelSpec, split_args)
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
@@ -66,11 +66,12 @@ def engine_env(model: ModelSpec, cfg: FleetConfig, assignment: Assignment,
     return env
 
 
-def launch_spec(model: ModelSpec, cfg: FleetConfig, assignment: Assignment, host_cards: list[str],
+def launch_spec(model: ModelSpec, cfg: FleetConfig, assignment: Assignment, hosts: list[HostSpec],
                 api_key: str | None) -> tuple[list[str], dict[str, str], dict]:
     """argv and env of a replica's engine on its cards, and what its supervisor keeps of them
     (host, cards and a digest of the launch) for a later controller to compare: a running
     engine is adopted only if this fleet file would launch it the same way."""
+    host_cards = [c.bdf for h in hosts if h.name == assignment.host for c in h.cards]
     env = engine_env(model, cfg, assignment, host_cards)
     if api_key:
         env["VLLM_API_KEY"] = api_key

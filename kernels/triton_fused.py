@@ -60,6 +60,24 @@ def _step_rows(row_map, bos, n_rows, SP: tl.constexpr, HAS_ROW_MAP: tl.constexpr
     return o_s, mask_s, rows
 
 
+@triton.jit
+def _first_candidate_row(q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         HAS_ROW_MAP: tl.constexpr):
+    """The first candidate row's index and q, k, v, a, b (zeros when the step has no rows):
+    loaded ahead, so it is in flight while the replay runs."""
+    if HAS_ROW_MAP:
+        n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
+    else:
+        n_row = bos
+    n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+    n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+    n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
+    n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
+    n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+    return n_row, n_q, n_k, n_v, n_a, n_b
+
+
 @triton.jit(do_not_specialize=["N"])
 def onepage_gdn_step_kernel(
     A_log, a, b, dt_bias, beta, threshold, q, k, v, o, h, record, flag, cu_seqlens,
@@ -117,15 +135,9 @@ def onepage_gdn_step_kernel(
         s1_a = tl.load(p_r0 + S * W + H * K + HV * V + i_hv)
         s0_b = tl.load(p_r0 + H * K + HV * V + HV + i_hv)
         s1_b = tl.load(p_r0 + S * W + H * K + HV * V + HV + i_hv)
-        if HAS_ROW_MAP:
-            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
-        else:
-            n_row = bos
-        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
-        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
-        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
+            HAS_ROW_MAP)
     live_count = tl.load(p_pair + _F_COUNT)
     raw_slot = tl.load(p_pair + _F_SLOT)
     live_slot = raw_slot & 1
@@ -162,15 +174,9 @@ def onepage_gdn_step_kernel(
         r_v = tl.load(p_rv, mask=mask_v & (o_v * 0 < n_replay), other=0)
         r_a = tl.load(p_ra, mask=n_replay > 0, other=0)
         r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
-        if HAS_ROW_MAP:
-            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
-        else:
-            n_row = bos
-        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
-        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
-        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
+            HAS_ROW_MAP)
 
     if ROWS_END:
         # the tiles are loaded here and stored after the verify loop, so no store waits on its

@@ -22,13 +22,13 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from r9k.bench.gdn_kernel import time_host_us
 from r9k.kernels.onepage import GdnHeads
 from r9k.devtools.simulate import recycled_flags
 from r9k.kernels.triton_align import ReplayLayer, ReplayPlan
@@ -101,16 +101,6 @@ def clone_layers(layers):
                         flag=la.flag.clone()) for la in layers]
 
 
-def host_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
-
-
 def bench(n: int, copying: bool, num_layers: int, num_groups: int, state_dtype, repeats: int,
           calls: int, dev: str) -> dict:
     g = torch.Generator().manual_seed(n)
@@ -150,7 +140,7 @@ def bench(n: int, copying: bool, num_layers: int, num_groups: int, state_dtype, 
     samples = {k: [] for k in fns}
     for _ in range(repeats):  # interleaved: side by side
         for k, f in fns.items():
-            samples[k].append(host_us(f, calls))
+            samples[k].append(time_host_us(f, calls))
     t = {k: statistics.median(v) for k, v in samples.items()}
     return {"num_reqs": n, "copying": copying, "num_layers": num_layers,
             "num_groups": num_groups, "state_dtype": str(state_dtype).removeprefix("torch."),

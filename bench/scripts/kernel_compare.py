@@ -2,8 +2,8 @@
 from (`r9k.bench.fused_variants`) at the shipped settings, compiled offline (no GPU) for the
 H200 (PTX, sm_90) and the R9700 (AMDGCN, gfx1201): the same code, instruction for instruction.
 
-Compared after removing what names the source rather than the code: debug line records and
-sections, the kernel's name and the file and line in comments. Writes JSON (per configuration:
+Compared after removing what names the source rather than the code: debug line records,
+sections and range labels, the kernel's name and the file and line in comments. Writes JSON (per configuration:
 equal or the first differing lines) and exits 1 on any difference.
 
     python bench/scripts/kernel_compare.py --out bench/results/kernel_compare_shipped.json
@@ -26,8 +26,11 @@ TARGETS = {"ptx-sm90": (GPUTarget("cuda", 90, 32), "ptx"),
            "amdgcn-gfx1201": (GPUTarget("hip", "gfx1201", 32), "amdgcn")}
 SHAPES = {"27b-tp2": GdnHeads(8, 24, 128, 128), "flash-next-tp4": GdnHeads(4, 8, 128, 128),
           "k64-v32": GdnHeads(2, 4, 64, 32)}
+# debug records and the labels that only delimit debug ranges (`$L__tmp`, `.Ltmp`: an inlined
+# helper's call site adds some); branch targets (`$L__BB`) stay
 _DROP = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.debug_|\.Ldebug|\.Linfo|"
-                   r"\.Lfunc_end|\.Ltmp)|^\s*\.(b8|b16|b32|b64)\s|^\s*\.(byte|short|long|quad)\s")
+                   r"\.Lfunc_end|\.Ltmp|\$L__tmp\d+:)|^\s*\.(b8|b16|b32|b64)\s|"
+                   r"^\s*\.(byte|short|long|quad)\s")
 
 
 def normalized(asm: str, name: str) -> list[str]:

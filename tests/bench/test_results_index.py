@@ -1,17 +1,10 @@
 """bench/results/README.md lists every result file, and only those
 (`bench/scripts/index_results.py` writes it)."""
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from doubles.scripts import load_script
 
 
 def _index_module():
-    spec = importlib.util.spec_from_file_location(
-        "index_results", ROOT / "bench" / "scripts" / "index_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("index_results")
 
 
 def test_the_index_lists_every_result_file():

@@ -4,20 +4,15 @@ per kernel and state dtype, and no candidate that changes the bits."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from doubles.scripts import ROOT, load_script
+
 RESULT = ROOT / "bench" / "results" / "gdn_kernel_h200_flashnext_tp2_tp4_k3.json"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "summarize_gdn_kernel", ROOT / "bench" / "scripts" / "summarize_gdn_kernel.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("summarize_gdn_kernel")
 
 
 def test_verdict_on_the_committed_h200_run():

@@ -3,22 +3,15 @@ AMDGCN (gfx1201) as the research kernel it was cut from at the shipped settings
 (`r9k.bench.fused_variants`), and the comparison sees a one-barrier difference. Offline
 compiles, no GPU; the full grid: `bench/scripts/kernel_compare.py`
 (bench/results/kernel_compare_shipped.json)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from doubles.scripts import load_script
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _compare_module():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_compare", ROOT / "bench" / "scripts" / "kernel_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kernel_compare")
 
 
 @pytest.mark.parametrize("target", ["ptx-sm90", "amdgcn-gfx1201"])
