@@ -21,10 +21,58 @@ No vLLM import: pure torch over CPU memory.
 from __future__ import annotations
 
 import ctypes
+import functools
+import inspect
 
 import torch
 
 _U64 = (1 << 64) - 1
+
+# The two kernels' signatures, described once: the CPU ports here, the one-page ports and the
+# GPU stand-ins (`r9k.onepage_align`) all bind by these. vLLM launches them by name or by
+# position; a renamed or reordered parameter binds wrong values
+# (tests/kernels/test_cpu_align_interpret.py compares them with vLLM's).
+STATE_META = ("state_base_addrs_ptr", "state_block_strides_ptr", "state_elem_sizes_ptr",
+              "state_inner_sizes_ptr", "state_conv_widths_ptr", "state_group_indices_ptr",
+              "state_dim_row_count_ptr", "state_dim_row_stride_ptr")  # per state, in this order
+
+
+def _signature(names: tuple[str, ...], defaults: dict) -> inspect.Signature:
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind) for n in names]
+                             + [inspect.Parameter(n, kind, default=v) for n, v in defaults.items()])
+
+
+PRECOPY = _signature(
+    ("mamba_state_idx_ptr", "src_col_ptr", "token_bias_ptr", "block_table_ptrs_ptr",
+     "block_table_stride_req", *STATE_META, "idx_mapping_ptr", "num_reqs"),
+    dict(COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1))
+BOUNDARY = _signature(
+    ("num_accepted_tokens_ptr", "mamba_state_idx_ptr", "num_scheduled_tokens_ptr",
+     "num_computed_tokens_ptr", "num_draft_tokens_ptr", "block_table_ptrs_ptr",
+     "block_table_stride_req", *STATE_META, "num_accepted_tokens_out_ptr", "idx_mapping_ptr",
+     "num_reqs"),
+    dict(block_size=None, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False,
+         HAS_IDX_MAPPING=False, PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1))
+
+
+def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """A launch's arguments by name, defaults filled in."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def port(signature: inspect.Signature):
+    """Decorator: a function of one dict becomes a kernel port with `signature` (positional or
+    keyword calls; `inspect.signature` reports the kernel's parameters)."""
+    def wrap(body):
+        @functools.wraps(body)
+        def call(*args, **kwargs):
+            return body(bind(signature, args, kwargs))
+        call.__signature__ = signature
+        return call
+    return wrap
 
 
 def _bytes_at(addr: int, nbytes: int) -> torch.Tensor:
@@ -146,37 +194,27 @@ def precopy_moves(mamba_state_idx, src_col, token_bias, idx_mapping, num_reqs: i
     return req, src[moved], dst[moved], token_bias[req].to(torch.int64)
 
 
-def precopy_mamba_align_fused_kernel(
-    mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-    block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
-    state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-    state_dim_row_count_ptr, state_dim_row_stride_ptr, idx_mapping_ptr, num_reqs,
-    COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1,
-) -> None:
+@port(PRECOPY)
+def precopy_mamba_align_fused_kernel(a: dict) -> None:
     """Pre-copy: a request whose running column moved (src >= 0, src != dst) copies its state
-    from the previous column, conv window shifted by the accepted-token bias."""
-    del COPY_BLOCK_SIZE, TEMPORAL_TILES  # GPU tiling only
-    run_precopy(mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-                block_table_stride_req,
-                (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-                 state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-                 state_dim_row_count_ptr, state_dim_row_stride_ptr),
-                idx_mapping_ptr, num_reqs, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING)
+    from the previous column, conv window shifted by the accepted-token bias (COPY_BLOCK_SIZE
+    and TEMPORAL_TILES are GPU tiling only)."""
+    run_precopy(a)
 
 
-def run_precopy(mamba_state_idx, src_col, token_bias, block_table_ptrs, block_table_stride_req,
-                state_meta: tuple, idx_mapping, num_reqs, conv_state_dim_first: bool,
-                has_idx_mapping: bool, skip_states: frozenset[int] = frozenset()):
-    """The pre-copy for every state not in ``skip_states`` (``state_meta``: the kernel's eight
-    per-state arrays, base addresses first). Returns the moves (request slots, source and
-    destination columns, bias), for a caller that copies the skipped states its own way; None
-    when there is nothing to do."""
-    if num_reqs == 0 or state_meta[0].numel() == 0:
+def run_precopy(a: dict, skip_states: frozenset[int] = frozenset()):
+    """The pre-copy (``a``: the kernel's arguments by name) for every state not in
+    ``skip_states``. Returns the moves (request slots, source and destination columns, bias),
+    for a caller that copies the skipped states its own way; None when there is nothing to do."""
+    num_reqs = int(a["num_reqs"])
+    if num_reqs == 0 or a["state_base_addrs_ptr"].numel() == 0:
         return None
-    req, src, dst, bias = precopy_moves(mamba_state_idx, src_col, token_bias, idx_mapping,
-                                        num_reqs, has_idx_mapping)
-    copy_state_blocks(req, src, dst, bias, block_table_ptrs, int(block_table_stride_req),
-                      *state_meta, bool(conv_state_dim_first), skip_states)
+    req, src, dst, bias = precopy_moves(a["mamba_state_idx_ptr"], a["src_col_ptr"],
+                                        a["token_bias_ptr"], a["idx_mapping_ptr"], num_reqs,
+                                        a["HAS_IDX_MAPPING"])
+    copy_state_blocks(req, src, dst, bias, a["block_table_ptrs_ptr"],
+                      int(a["block_table_stride_req"]), *(a[n] for n in STATE_META),
+                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states)
     return req, src, dst, bias
 
 
@@ -207,51 +245,31 @@ def boundary_moves(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
     return req, src, dst, bias, needs_copy, same_block
 
 
-def postprocess_mamba_fused_kernel(
-    num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-    num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr, block_table_stride_req,
-    state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-    state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
-    state_dim_row_stride_ptr, num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs,
-    block_size=None, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=False,
-    PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
-) -> None:
+@port(BOUNDARY)
+def postprocess_mamba_fused_kernel(a: dict) -> None:
     """Boundary copy: when the accepted tokens reach a block end past the running state, copy
     the state at that boundary into the boundary's block; a boundary inside the running block
     resets the accepted count to 1."""
-    del COPY_BLOCK_SIZE, TEMPORAL_TILES
-    run_boundary_copy(
-        num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-        num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
-        block_table_stride_req,
-        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-         state_dim_row_count_ptr, state_dim_row_stride_ptr),
-        num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size,
-        CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED)
+    run_boundary_copy(a)
 
 
-def run_boundary_copy(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
-                      num_computed_tokens, num_draft_tokens, block_table_ptrs,
-                      block_table_stride_req, state_meta: tuple, num_accepted_tokens_out,
-                      idx_mapping, num_reqs, block_size, conv_state_dim_first: bool,
-                      has_idx_mapping: bool, precomputed_new_computed: bool,
-                      skip_states: frozenset[int] = frozenset()):
-    """The boundary copy for every state not in ``skip_states`` (and the accepted-count reset).
-    Returns (request slots, running column, boundary column, bias, needs_copy) of every request
-    in launch order, for a caller that copies the skipped states its own way; None when there
-    is nothing to do."""
-    if num_reqs == 0 or state_meta[0].numel() == 0:
+def run_boundary_copy(a: dict, skip_states: frozenset[int] = frozenset()):
+    """The boundary copy (``a``: the kernel's arguments by name) for every state not in
+    ``skip_states``, and the accepted-count reset. Returns (request slots, running column,
+    boundary column, bias, needs_copy) of every request in launch order, for a caller that
+    copies the skipped states its own way; None when there is nothing to do."""
+    num_reqs = int(a["num_reqs"])
+    if num_reqs == 0 or a["state_base_addrs_ptr"].numel() == 0:
         return None
     req, src, dst, bias, needs_copy, same_block = boundary_moves(
-        num_accepted_tokens, mamba_state_idx, num_scheduled_tokens, num_computed_tokens,
-        num_draft_tokens, idx_mapping, num_reqs, block_size, has_idx_mapping,
-        precomputed_new_computed)
-    num_accepted_tokens_out[req[same_block]] = 1
+        a["num_accepted_tokens_ptr"], a["mamba_state_idx_ptr"], a["num_scheduled_tokens_ptr"],
+        a["num_computed_tokens_ptr"], a["num_draft_tokens_ptr"], a["idx_mapping_ptr"], num_reqs,
+        a["block_size"], a["HAS_IDX_MAPPING"], a["PRECOMPUTED_NEW_COMPUTED"])
+    a["num_accepted_tokens_out_ptr"][req[same_block]] = 1
     copy = needs_copy & ~(same_block & (bias == 0))
-    copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], block_table_ptrs,
-                      int(block_table_stride_req), *state_meta, bool(conv_state_dim_first),
-                      skip_states)
+    copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], a["block_table_ptrs_ptr"],
+                      int(a["block_table_stride_req"]), *(a[n] for n in STATE_META),
+                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states)
     return req, src, dst, bias, needs_copy
 
 

@@ -7,7 +7,8 @@ pages (`r9k.policy`); when not, it is the stock layer, unchanged.
 What one-page changes in the layer:
 - the page: stock conv window + SSM state, plus the record and flag words (shapes from the
   capacity module), and `num_speculative_blocks = 0` in its KV spec;
-- the metadata builder: one-column state indices (no silent broadcast into k+1 columns);
+- the metadata builder: one-column state indices (no silent broadcast into k+1 columns),
+  metadata shared across groups on V2 as vLLM's own builder does;
 - every decode path: the spec verify step replays/verifies/records; prefills clear the flag;
   draft-less decodes and non-spec decodes replay a live record first; NVIDIA's compiled MTP
   kernel, the packed non-spec decode and ROCm's AITER path are switched off for the layer.
@@ -32,6 +33,7 @@ from r9k.models.sizing import record_dtypes, record_shapes
 from r9k.policy import onepage_enabled
 
 logger = logging.getLogger("vllm.r9k")
+_shared_logged: list[bool] = []  # the sharing is logged once per process
 
 
 class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -46,6 +48,18 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.spec_state_indices_tensor = torch.empty(
             (self.decode_cudagraph_max_bs, 1), dtype=torch.int32, device=device)
+        # V2 builds GDN metadata once per step and re-gathers the other groups' state indices
+        # (`update_block_table`), but only for its own class (`type(self) is ...`, to keep KDA
+        # out). This builder adds no per-group metadata, so it shares on the same terms; without
+        # this every one-page group rebuilt the whole metadata each step.
+        if vllm_config.use_v2_model_runner and device.type == "cuda":
+            self.supports_update_block_table = True
+            if not hasattr(self, "mamba_aligned_state_indices"):
+                self.mamba_aligned_state_indices = None  # opts into V2's aligned-index precompute
+            if not _shared_logged:
+                _shared_logged.append(True)
+                logger.info("r9k one-page GDN metadata: built once per step and shared by the "
+                            "one-page groups (update_block_table)")
         from r9k import onepage_align
 
         onepage_align.track_group(layer_names)  # prefix caching's copies find layers by group

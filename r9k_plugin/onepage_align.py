@@ -27,7 +27,6 @@ are the stock kernels.
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 
 import torch
@@ -134,55 +133,28 @@ def _replay(onepage: dict[int, tuple[object, int]], req, src_col, dst_col, num_r
                     src, dst, num_rows)
 
 
-def precopy_mamba_align_fused_kernel(
-    mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-    block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
-    state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-    state_dim_row_count_ptr, state_dim_row_stride_ptr, idx_mapping_ptr, num_reqs,
-    COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1,
-) -> None:
-    onepage = _onepage_states(state_base_addrs_ptr, state_group_indices_ptr)
-    moves = cpu_align.run_precopy(
-        mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-        block_table_stride_req,
-        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-         state_dim_row_count_ptr, state_dim_row_stride_ptr),
-        idx_mapping_ptr, num_reqs, CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING,
-        skip_states=frozenset(onepage))
+@cpu_align.port(cpu_align.PRECOPY)
+def precopy_mamba_align_fused_kernel(a: dict) -> None:
+    onepage = _onepage_states(a["state_base_addrs_ptr"], a["state_group_indices_ptr"])
+    moves = cpu_align.run_precopy(a, skip_states=frozenset(onepage))
     if onepage and moves is not None:
         req, src, dst, bias = moves
         # stock reads column src + bias = the state after accepted row `bias`: bias + 1 rows
-        _replay(onepage, req, src, dst, bias + 1, block_table_ptrs_ptr, block_table_stride_req)
+        _replay(onepage, req, src, dst, bias + 1, a["block_table_ptrs_ptr"],
+                a["block_table_stride_req"])
 
 
-def postprocess_mamba_fused_kernel(
-    num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-    num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr, block_table_stride_req,
-    state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-    state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
-    state_dim_row_stride_ptr, num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs,
-    block_size=None, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=False,
-    PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
-) -> None:
-    onepage = _onepage_states(state_base_addrs_ptr, state_group_indices_ptr)
-    moves = cpu_align.run_boundary_copy(
-        num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-        num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
-        block_table_stride_req,
-        (state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-         state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-         state_dim_row_count_ptr, state_dim_row_stride_ptr),
-        num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size,
-        CONV_STATE_DIM_FIRST, HAS_IDX_MAPPING, PRECOMPUTED_NEW_COMPUTED,
-        skip_states=frozenset(onepage))
+@cpu_align.port(cpu_align.BOUNDARY)
+def postprocess_mamba_fused_kernel(a: dict) -> None:
+    onepage = _onepage_states(a["state_base_addrs_ptr"], a["state_group_indices_ptr"])
+    moves = cpu_align.run_boundary_copy(a, skip_states=frozenset(onepage))
     if onepage and moves is not None:
         req, src, dst, bias, needs_copy = moves
         # One-page replays for every boundary, the running page's own end with bias 0
         # included: stock's slot already holds that state there, one-page materializes it (the
         # block gets cached and must hold a checkpoint, no live record).
         _replay(onepage, req[needs_copy], src[needs_copy], dst[needs_copy],
-                bias[needs_copy] + 1, block_table_ptrs_ptr, block_table_stride_req)
+                bias[needs_copy] + 1, a["block_table_ptrs_ptr"], a["block_table_stride_req"])
 
 
 VLLM_KERNEL_NAMES = {
@@ -194,10 +166,6 @@ VLLM_KERNEL_NAMES = {
 
 
 # --- GPUs ----------------------------------------------------------------------------------------
-# the eight per-state metadata arrays the kernels take, in their order
-_STATE_META = ("state_base_addrs_ptr", "state_block_strides_ptr", "state_elem_sizes_ptr",
-               "state_inner_sizes_ptr", "state_conv_widths_ptr", "state_group_indices_ptr",
-               "state_dim_row_count_ptr", "state_dim_row_stride_ptr")
 _stock_meta: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
@@ -211,7 +179,7 @@ def _stock_state_meta(args: dict, onepage: dict) -> dict[str, torch.Tensor]:
             raise RuntimeError("r9k one-page align copies: no stock-copied state left (a GDN "
                                "layer always has a conv state)")
         index = torch.tensor(keep, dtype=torch.long, device=addrs.device)
-        _stock_meta[key] = {name: args[name].index_select(0, index) for name in _STATE_META}
+        _stock_meta[key] = {name: args[name].index_select(0, index) for name in cpu_align.STATE_META}
     return _stock_meta[key]
 
 
@@ -282,27 +250,26 @@ def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
 
 class GpuAlignKernel:
     """Stands in for one of vLLM's two align copy kernels on a GPU, launched like it
-    (`kernel[grid](...)`, positional or by name); binds the arguments by the original's names
-    (this module's CPU functions carry the same signature) and calls `gpu_align_launch`."""
+    (`kernel[grid](...)`, positional or by name); binds the arguments by the signature
+    `cpu_align` describes and calls `gpu_align_launch`."""
 
-    def __init__(self, original, signature_of, boundary: bool) -> None:
+    def __init__(self, original, name: str, signature, boundary: bool) -> None:
         self.original = original
         self.boundary = boundary
-        self._signature = inspect.signature(signature_of)
-        self.__name__ = getattr(original, "__name__", signature_of.__name__)
+        self._signature = signature
+        self.__name__ = getattr(original, "__name__", name)
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs) -> None:
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        gpu_align_launch(self.original, grid, self.boundary, dict(bound.arguments))
+        gpu_align_launch(self.original, grid, self.boundary,
+                         cpu_align.bind(self._signature, args, kwargs))
 
 
 GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (signature, boundary copy?)
-    "precopy_mamba_align_fused_kernel": (precopy_mamba_align_fused_kernel, False),
-    "postprocess_mamba_fused_kernel": (postprocess_mamba_fused_kernel, True),
+    "precopy_mamba_align_fused_kernel": (cpu_align.PRECOPY, False),
+    "postprocess_mamba_fused_kernel": (cpu_align.BOUNDARY, True),
 }
 
 
@@ -314,10 +281,10 @@ def install_gpu_kernels(module) -> list[str]:
 
     align_graphs.enabled()
     done = []
-    for name, (signature_of, boundary) in GPU_KERNELS.items():
+    for name, (signature, boundary) in GPU_KERNELS.items():
         original = getattr(module, name)
         if isinstance(original, GpuAlignKernel):
             continue
-        setattr(module, name, GpuAlignKernel(original, signature_of, boundary))
+        setattr(module, name, GpuAlignKernel(original, name, signature, boundary))
         done.append(name)
     return done

@@ -50,12 +50,12 @@ SWEEP = (1, 2, 4, 6, 8, 12, 16)
 LIGHT = (1, 2, 4)
 
 
-def loads(sweep=SWEEP, prompt_tokens: int = PROMPT_TOKENS, output_tokens: int = OUTPUT_TOKENS
-          ) -> list[dict[str, Any]]:
+def loads(sweep=SWEEP, prompt_tokens: int = PROMPT_TOKENS, output_tokens: int = OUTPUT_TOKENS,
+          min_requests: int = 4) -> list[dict[str, Any]]:
     warm = {"name": "warm", "kind": "load", "concurrency": 4, "num_requests": 4,
             "prompt_tokens": min(256, prompt_tokens), "max_tokens": 32, "seed": 900}
     return [warm] + [{"name": f"c{c}", "kind": "load", "concurrency": c,
-                      "num_requests": max(4, 2 * c), "prompt_tokens": prompt_tokens,
+                      "num_requests": max(min_requests, 2 * c), "prompt_tokens": prompt_tokens,
                       "max_tokens": output_tokens, "seed": 1000 + 100 * c} for c in sweep]
 
 
@@ -85,14 +85,15 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
 def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
                autotune: str, timeout_s: float, workdir: pathlib.Path, util: float,
                scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN,
-               eager: bool = False):
+               eager: bool = False, max_num_seqs: int | None = None):
     from r9k.devtools.engine_runs import EngineSpec, run
 
     env = dict(ge.GPU_RUN_ENV, **ge.AUTOTUNE_ENV[autotune])
     spec = EngineSpec(
         model=str(model_path), num_spec=k, gdn_state=mode, kv_cache_memory_bytes=kv_bytes,
         max_model_len=max_model_len,
-        max_num_seqs=max(sc["concurrency"] for sc in scenarios), enforce_eager=eager,
+        max_num_seqs=max_num_seqs or max(sc["concurrency"] for sc in scenarios),
+        enforce_eager=eager,
         prefix_caching=prefix_caching, mamba_ssm_cache_dtype="float32", scenarios=scenarios,
         env=env, engine_kwargs={
             "attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton",
@@ -108,6 +109,14 @@ def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefi
     res["log_r9k_lines"] = [ln[-300:] for ln in log.splitlines() if "r9k" in ln][:30]
     res.pop("tokens", None)  # schedules differ between the modes: the ids are not compared here
     return res
+
+
+def seqs_cap(choice: str, plan: dict) -> int | None:
+    """vLLM's max_num_seqs: None = the sweep's top concurrency (vLLM admits what fits now and
+    preempts when running requests grow); "planner" = the mode's whole requests of max_model_len
+    (admits only what can grow to the end: no preemption by growth, as a server that reserves
+    for max_tokens does)."""
+    return plan["whole_requests"] if choice == "planner" else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     sets = args.model_sets.split(",") if args.model_sets else MODEL_SETS
     sweep = tuple(int(c) for c in args.sweep.split(","))
-    scenarios = loads(sweep, args.prompt_tokens, args.output_tokens)
+    scenarios = loads(sweep, args.prompt_tokens, args.output_tokens, args.requests_per_point)
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
     kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
@@ -141,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,
             "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens, "sweep": list(sweep), "eager": args.eager,
-            "parallel_modes": args.parallel_modes}
+            "parallel_modes": args.parallel_modes, "requests_per_point": args.requests_per_point,
+            "max_num_seqs": args.max_num_seqs}
     log(f"pool {kv_bytes / MIB:.0f} MiB: {planner}")
     engines: list[dict[str, Any]] = []
     path = out / "gpu_perf.json"
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
                              args.autotune, min(left, args.engine_timeout_s),
                              work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len,
-                             args.eager)
+                             args.eager, seqs_cap(args.max_num_seqs, planner[mode]))
             engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
             log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
                 + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
@@ -233,7 +243,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            f"{meta['output_tokens']} generated. KV pool {meta['kv_cache_memory_bytes'] / MIB:.0f} "
            f"MiB: planner stock {pl['stock']['tokens']:,} tokens ({pl['stock']['whole_requests']} "
            f"whole requests of max_model_len), one-page {pl['onepage']['tokens']:,} "
-           f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}.", "",
+           f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}. "
+           f"max_num_seqs: {meta.get('max_num_seqs', 'concurrency')}; at least "
+           f"{meta.get('requests_per_point', 4)} requests per point.", "",
            "| concurrency | tok/s stock | tok/s one-page | one-page/stock (mean, min-max) | "
            "running stock / one-page (mean, max) | pool per running request | TTFT p50 s | "
            "TPOT p50 ms | preemptions | acceptance (stock = one-page?) |",
@@ -300,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     r.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     r.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    r.add_argument("--requests-per-point", type=int, default=4,
+                   help="requests per concurrency point at least (2 x concurrency otherwise)")
+    r.add_argument("--max-num-seqs", choices=("concurrency", "planner"), default="concurrency",
+                   help="vLLM's max_num_seqs: the sweep's top concurrency, or each mode's "
+                        "planner whole requests")
     r.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
     r.add_argument("--parallel-modes", action="store_true",
                    help="run the stock and one-page engines of a repeat at once (diagnosis only)")

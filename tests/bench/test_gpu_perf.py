@@ -61,9 +61,14 @@ def test_sweep_loads_and_the_pool(gp, tiny_model, monkeypatch):
     loads = gp.loads((1, 8), prompt_tokens=300, output_tokens=16)
     assert [sc["name"] for sc in loads] == ["warm", "c1", "c8"]
     assert loads[2]["num_requests"] == 16 and loads[1]["num_requests"] == 4
+    more = gp.loads((1, 8), prompt_tokens=300, output_tokens=16, min_requests=10)
+    assert [sc["num_requests"] for sc in more[1:]] == [10, 16]
     kv, planner = gp.pool_bytes(tiny_model, 3, True, max_model_len=512)
     assert planner["stock"]["whole_requests"] == gp.STOCK_REQUESTS
     assert planner["onepage"]["whole_requests"] > planner["stock"]["whole_requests"]
+    # max_num_seqs "planner": each mode admits its own whole requests; default: the sweep's top
+    assert gp.seqs_cap("planner", planner["onepage"]) == planner["onepage"]["whole_requests"]
+    assert gp.seqs_cap("concurrency", planner["onepage"]) is None
 
 
 @pytest.mark.engine
