@@ -63,16 +63,28 @@ def bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
-def port(signature: inspect.Signature):
+def port(signature: inspect.Signature, name: str | None = None):
     """Decorator: a function of one dict becomes a kernel port with `signature` (positional or
-    keyword calls; `inspect.signature` reports the kernel's parameters)."""
+    keyword calls; `inspect.signature` reports the kernel's parameters), named `name`."""
     def wrap(body):
         @functools.wraps(body)
         def call(*args, **kwargs):
             return body(bind(signature, args, kwargs))
         call.__signature__ = signature
+        if name:
+            call.__name__ = call.__qualname__ = name
         return call
     return wrap
+
+
+def with_constexpr(signature: inspect.Signature, name: str, default, before: str
+                   ) -> inspect.Signature:
+    """`signature` with one more defaulted parameter, inserted before `before` (how vLLM
+    releases add constexpr flags to these kernels)."""
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index(before)
+    new = inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+    return signature.replace(parameters=params[:at] + [new] + params[at:])
 
 
 def _bytes_at(addr: int, nbytes: int) -> torch.Tensor:
@@ -107,13 +119,17 @@ def copy_state_blocks(req: torch.Tensor, src_col: torch.Tensor, dst_col: torch.T
                       state_inner_sizes: torch.Tensor, state_conv_widths: torch.Tensor,
                       state_group_indices: torch.Tensor, state_dim_row_count: torch.Tensor,
                       state_dim_row_stride: torch.Tensor, conv_state_dim_first: bool,
-                      skip_states: frozenset[int] = frozenset()) -> None:
+                      skip_states: frozenset[int] = frozenset(), *,
+                      zero_temporal_bias: bool = False, skip_temporal: bool = False) -> None:
     """`_copy_mamba_state_block` for every (request, state): requests in launch order, each with
     its block-table row, source and destination columns and accepted-token bias.
 
     conv state: state[bt[src], bias:] -> state[bt[dst], :width - bias] (a shift in place when
     the blocks coincide); temporal state: state[bt[src + bias]] -> state[bt[dst]]. States whose
-    index is in ``skip_states`` are left to the caller (one-page states, which replay)."""
+    index is in ``skip_states`` are left to the caller (one-page states, which replay).
+    vLLM 0.34's flags (`ZERO_TEMPORAL_TOKEN_BIAS`, `SKIP_TEMPORAL_STATE_COPY`, set for its
+    ReplaySSM Mamba2 layers): ``zero_temporal_bias`` copies temporal states from column src
+    itself, ``skip_temporal`` leaves them alone."""
     if req.numel() == 0:
         return
     meta = [t.tolist() for t in (state_base_addrs, state_block_strides, state_elem_sizes,
@@ -124,11 +140,12 @@ def copy_state_blocks(req: torch.Tensor, src_col: torch.Tensor, dst_col: torch.T
     # Block ids and copy pairs depend only on the group (and conv width): computed once each.
     ids_cache: dict[tuple, tuple] = {}
     for i, (base, stride, elem, inner, width, group, dim_rows, row_stride) in enumerate(zip(*meta)):
-        if i in skip_states:
+        if i in skip_states or (skip_temporal and width == 0):
             continue
         key = (group, width)
         if key not in ids_cache:
-            ids_cache[key] = _copy_pairs(req, src_col, dst_col, bias, group_addrs[group],
+            state_bias = torch.zeros_like(bias) if zero_temporal_bias and width == 0 else bias
+            ids_cache[key] = _copy_pairs(req, src_col, dst_col, state_bias, group_addrs[group],
                                          block_table_stride_req, width)
         src_blk, src_pos, dst_blk, dst_pos = ids_cache[key]
         if src_blk.numel() == 0:
@@ -194,8 +211,7 @@ def precopy_moves(mamba_state_idx, src_col, token_bias, idx_mapping, num_reqs: i
     return req, src[moved], dst[moved], token_bias[req].to(torch.int64)
 
 
-@port(PRECOPY)
-def precopy_mamba_align_fused_kernel(a: dict) -> None:
+def _precopy(a: dict) -> None:
     """Pre-copy: a request whose running column moved (src >= 0, src != dst) copies its state
     from the previous column, conv window shifted by the accepted-token bias (COPY_BLOCK_SIZE
     and TEMPORAL_TILES are GPU tiling only)."""
@@ -214,7 +230,8 @@ def run_precopy(a: dict, skip_states: frozenset[int] = frozenset()):
                                         a["HAS_IDX_MAPPING"])
     copy_state_blocks(req, src, dst, bias, a["block_table_ptrs_ptr"],
                       int(a["block_table_stride_req"]), *(a[n] for n in STATE_META),
-                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states)
+                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states,
+                      zero_temporal_bias=bool(a.get("ZERO_TEMPORAL_TOKEN_BIAS", False)))
     return req, src, dst, bias
 
 
@@ -245,8 +262,7 @@ def boundary_moves(num_accepted_tokens, mamba_state_idx, num_scheduled_tokens,
     return req, src, dst, bias, needs_copy, same_block
 
 
-@port(BOUNDARY)
-def postprocess_mamba_fused_kernel(a: dict) -> None:
+def _boundary(a: dict) -> None:
     """Boundary copy: when the accepted tokens reach a block end past the running state, copy
     the state at that boundary into the boundary's block; a boundary inside the running block
     resets the accepted count to 1."""
@@ -269,14 +285,25 @@ def run_boundary_copy(a: dict, skip_states: frozenset[int] = frozenset()):
     copy = needs_copy & ~(same_block & (bias == 0))
     copy_state_blocks(req[copy], src[copy], dst[copy], bias[copy], a["block_table_ptrs_ptr"],
                       int(a["block_table_stride_req"]), *(a[n] for n in STATE_META),
-                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states)
+                      bool(a["CONV_STATE_DIM_FIRST"]), skip_states,
+                      skip_temporal=bool(a.get("SKIP_TEMPORAL_STATE_COPY", False)))
     return req, src, dst, bias, needs_copy
 
 
-# vLLM's qualified names of the kernels these replace (the dispatcher's keys)
-VLLM_KERNEL_NAMES = {
-    "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel":
-        precopy_mamba_align_fused_kernel,
-    "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel":
-        postprocess_mamba_fused_kernel,
-}
+QUALIFIED = "vllm.v1.worker.mamba_utils."  # where vLLM defines both (the dispatcher's keys)
+
+
+def ports(precopy_body, boundary_body, precopy: inspect.Signature = PRECOPY,
+          boundary: inspect.Signature = BOUNDARY) -> dict:
+    """{vLLM's qualified kernel name: port}: the two bodies (functions of the arguments dict)
+    with a release's signatures (`r9k.compat` holds which)."""
+    return {QUALIFIED + "precopy_mamba_align_fused_kernel":
+            port(precopy, "precopy_mamba_align_fused_kernel")(precopy_body),
+            QUALIFIED + "postprocess_mamba_fused_kernel":
+            port(boundary, "postprocess_mamba_fused_kernel")(boundary_body)}
+
+
+# the stock ports with vLLM 0.32's signatures
+VLLM_KERNEL_NAMES = ports(_precopy, _boundary)
+precopy_mamba_align_fused_kernel = VLLM_KERNEL_NAMES[QUALIFIED + "precopy_mamba_align_fused_kernel"]
+postprocess_mamba_fused_kernel = VLLM_KERNEL_NAMES[QUALIFIED + "postprocess_mamba_fused_kernel"]

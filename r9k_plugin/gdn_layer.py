@@ -52,7 +52,9 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         # (`update_block_table`), but only for its own class (`type(self) is ...`, to keep KDA
         # out). This builder adds no per-group metadata, so it shares on the same terms; without
         # this every one-page group rebuilt the whole metadata each step.
-        if vllm_config.use_v2_model_runner and device.type == "cuda":
+        from r9k import compat
+
+        if compat.current().shares_gdn_metadata(vllm_config, device):
             self.supports_update_block_table = True
             if not hasattr(self, "mamba_aligned_state_indices"):
                 self.mamba_aligned_state_indices = None  # opts into V2's aligned-index precompute

@@ -133,9 +133,23 @@ def _replay(onepage: dict[int, tuple[object, int]], req, src_col, dst_col, num_r
                     src, dst, num_rows)
 
 
-@cpu_align.port(cpu_align.PRECOPY)
-def precopy_mamba_align_fused_kernel(a: dict) -> None:
+# vLLM 0.34's flags hand temporal states to its ReplaySSM (Mamba2 only); a one-page GDN state
+# is temporal and replays its record here, so the two cannot meet: refuse rather than guess.
+_TEMPORAL_FLAGS = ("ZERO_TEMPORAL_TOKEN_BIAS", "SKIP_TEMPORAL_STATE_COPY")
+
+
+def _refuse_temporal_flags(a: dict, onepage: dict) -> None:
+    if onepage and any(a.get(f) for f in _TEMPORAL_FLAGS):
+        raise RuntimeError(
+            "r9k one-page align copies: vLLM launched them with "
+            + ", ".join(f for f in _TEMPORAL_FLAGS if a.get(f))
+            + " (its ReplaySSM temporal states) while one-page GDN layers share the copy; "
+            "serve this model with R9K_GDN_STATE=stock")
+
+
+def precopy_onepage(a: dict) -> None:
     onepage = _onepage_states(a["state_base_addrs_ptr"], a["state_group_indices_ptr"])
+    _refuse_temporal_flags(a, onepage)
     moves = cpu_align.run_precopy(a, skip_states=frozenset(onepage))
     if onepage and moves is not None:
         req, src, dst, bias = moves
@@ -144,9 +158,9 @@ def precopy_mamba_align_fused_kernel(a: dict) -> None:
                 a["block_table_stride_req"])
 
 
-@cpu_align.port(cpu_align.BOUNDARY)
-def postprocess_mamba_fused_kernel(a: dict) -> None:
+def boundary_onepage(a: dict) -> None:
     onepage = _onepage_states(a["state_base_addrs_ptr"], a["state_group_indices_ptr"])
+    _refuse_temporal_flags(a, onepage)
     moves = cpu_align.run_boundary_copy(a, skip_states=frozenset(onepage))
     if onepage and moves is not None:
         req, src, dst, bias, needs_copy = moves
@@ -157,12 +171,16 @@ def postprocess_mamba_fused_kernel(a: dict) -> None:
                 bias[needs_copy] + 1, a["block_table_ptrs_ptr"], a["block_table_stride_req"])
 
 
-VLLM_KERNEL_NAMES = {
-    "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel":
-        precopy_mamba_align_fused_kernel,
-    "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel":
-        postprocess_mamba_fused_kernel,
-}
+def kernel_ports(precopy=cpu_align.PRECOPY, boundary=cpu_align.BOUNDARY) -> dict:
+    """{vLLM's qualified kernel name: one-page aware CPU port} with a release's signatures."""
+    return cpu_align.ports(precopy_onepage, boundary_onepage, precopy, boundary)
+
+
+VLLM_KERNEL_NAMES = kernel_ports()  # vLLM 0.32's signatures
+precopy_mamba_align_fused_kernel = VLLM_KERNEL_NAMES[
+    cpu_align.QUALIFIED + "precopy_mamba_align_fused_kernel"]
+postprocess_mamba_fused_kernel = VLLM_KERNEL_NAMES[
+    cpu_align.QUALIFIED + "postprocess_mamba_fused_kernel"]
 
 
 # --- GPUs ----------------------------------------------------------------------------------------
@@ -240,6 +258,7 @@ def gpu_align_launch(original, grid, boundary: bool, args: dict) -> None:
     if not onepage:
         original[grid](**args)
         return
+    _refuse_temporal_flags(args, onepage)
     if int(args["num_reqs"]) == 0:
         return
     from r9k import align_graphs
@@ -267,13 +286,14 @@ class GpuAlignKernel:
                          cpu_align.bind(self._signature, args, kwargs))
 
 
-GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (signature, boundary copy?)
+GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (0.32's signature, boundary copy?)
     "precopy_mamba_align_fused_kernel": (cpu_align.PRECOPY, False),
     "postprocess_mamba_fused_kernel": (cpu_align.BOUNDARY, True),
 }
 
 
-def install_gpu_kernels(module) -> list[str]:
+def install_gpu_kernels(module, precopy=cpu_align.PRECOPY, boundary=cpu_align.BOUNDARY
+                        ) -> list[str]:
     """Put `GpuAlignKernel`s where `module` (vLLM's mamba_utils, or a stand-in in tests) holds
     the two kernels; idempotent. Returns the names replaced. Checks `R9K_ALIGN_GRAPHS` here,
     at registration, so a bad value stops the engine at start, not at its first step."""
@@ -281,10 +301,12 @@ def install_gpu_kernels(module) -> list[str]:
 
     align_graphs.enabled()
     done = []
-    for name, (signature, boundary) in GPU_KERNELS.items():
+    signatures = {"precopy_mamba_align_fused_kernel": precopy,
+                  "postprocess_mamba_fused_kernel": boundary}
+    for name, (_, is_boundary) in GPU_KERNELS.items():
         original = getattr(module, name)
         if isinstance(original, GpuAlignKernel):
             continue
-        setattr(module, name, GpuAlignKernel(original, name, signature, boundary))
+        setattr(module, name, GpuAlignKernel(original, name, signatures[name], is_boundary))
         done.append(name)
     return done

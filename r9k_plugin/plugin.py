@@ -21,7 +21,11 @@ def register() -> None:
     if reason:
         logger.warning("r9k plugin loaded: stock GDN state pages: %s", reason)
         return
-    from r9k import models
+    import vllm
+
+    from r9k import compat, models
+
+    compat.select(vllm.__version__)  # the release's differences, chosen once
     from r9k.gdn_layer import register_layer
 
     register_cpu_align_kernels()
@@ -45,9 +49,11 @@ def register_cpu_align_kernels() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
     # the stock ports, one-page aware: a one-page layer's SSM state replays its record
-    from r9k.onepage_align import VLLM_KERNEL_NAMES
+    from r9k import compat
+    from r9k.onepage_align import kernel_ports
 
-    register_kernels(VLLM_KERNEL_NAMES)
+    align = compat.current().align
+    register_kernels(kernel_ports(align.precopy, align.boundary))
     logger.info("r9k: CPU mamba align kernels registered (prefix caching with spec decoding)")
 
 
@@ -62,8 +68,10 @@ def register_gpu_align_kernels() -> None:
         return
     from vllm.v1.worker import mamba_utils
 
+    from r9k import compat
     from r9k.onepage_align import install_gpu_kernels
 
-    if install_gpu_kernels(mamba_utils):
+    align = compat.current().align
+    if install_gpu_kernels(mamba_utils, align.precopy, align.boundary):
         logger.info("r9k: GPU mamba align kernels one-page aware (prefix caching with spec "
                     "decoding)")

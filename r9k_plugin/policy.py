@@ -17,7 +17,6 @@ GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
 GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
 VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
-SUPPORTED_VLLM_SERIES = "0.32."
 # Architectures whose page sizing r9k.models registers (see r9k.models.ARCHITECTURES).
 ONEPAGE_ARCHITECTURES = frozenset({
     "Qwen3NextForCausalLM",
@@ -38,12 +37,21 @@ def gdn_state_mode() -> str:
     return value
 
 
-def vllm_version_reason() -> str | None:
-    import vllm
+def vllm_version_reason(version: str | None = None) -> str | None:
+    """Why this vLLM release gets stock pages (None: one-page can serve). A release without an
+    adapter (`r9k.compat`), or with one the GPU engine has not proven, keeps stock pages."""
+    from r9k import compat
 
-    if not vllm.__version__.startswith(SUPPORTED_VLLM_SERIES):
-        return (f"vLLM {vllm.__version__} is not {SUPPORTED_VLLM_SERIES}x, the series whose "
-                "internals the plugin subclasses")
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    adapter = compat.for_version(version)
+    if adapter is None:
+        return (f"vLLM {version} is not a release the plugin knows ({', '.join(compat.ADAPTERS)}"
+                "; proven: " + ", ".join(s for s, a in compat.ADAPTERS.items() if a.proven) + ")")
+    if not adapter.proven:
+        return f"vLLM {version}: {adapter.unproven_why}"
     return None
 
 

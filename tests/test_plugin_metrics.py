@@ -88,7 +88,12 @@ def test_version_mismatch_series(model, monkeypatch):
 
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
     cfg = _config(model)
-    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    monkeypatch.setattr(vllm, "__version__", "0.35.1")
     labels = _exported(cfg)
-    assert labels["page_mode"] == "stock" and labels["vllm_version"] == "0.33.1"
-    assert labels["reason"].startswith("vLLM 0.33.1 is not 0.32.x")
+    assert labels["page_mode"] == "stock" and labels["vllm_version"] == "0.35.1"
+    assert labels["reason"].startswith("vLLM 0.35.1 is not a release the plugin knows")
+    # a release with an adapter the GPU engine has not proven: stock, and why
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    labels = _exported(cfg)
+    assert labels["page_mode"] == "stock"
+    assert labels["reason"].startswith("vLLM 0.34.0: not yet adapted")

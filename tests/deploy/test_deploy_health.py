@@ -116,7 +116,7 @@ def test_proof_reports_why_stock_and_missing_plugin(plan):
     assert stock.cache_mode == "align"
     assert prove_pages(_metrics(plan.stock, _plugin("stock", "R9K_GDN_STATE=stock")), plan, "stock").ok
     # the version-mismatch path: the plugin loaded, said why, and the proof reports its words
-    old = "vLLM 0.33.1 is not 0.32.x, the series whose internals the plugin subclasses"
+    old = "vLLM 0.35.1 is not a release the plugin knows (0.32, 0.33, 0.34; proven: 0.32)"
     mismatch = prove_pages(_metrics(plan.stock, _plugin("stock", old)), plan, "onepage")
     assert mismatch.page_mode == "stock" and mismatch.reason == old
     missing = prove_pages(_metrics(plan.stock, None), plan, "onepage")

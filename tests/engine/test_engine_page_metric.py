@@ -48,17 +48,17 @@ def test_stock_replica_exports_stock_and_why(tiny_model, tmp_path, plan):
 
 
 def test_unsupported_vllm_version_replica_exports_stock_with_the_reason(tiny_model, tmp_path, plan):
-    # every Python process of the replica sees vLLM report 0.33.1 (engine core in-process)
+    # every Python process of the replica sees vLLM report 0.35.1 (engine core in-process)
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("import vllm\nvllm.__version__ = '0.33.1'\n")
+    (site / "sitecustomize.py").write_text("import vllm\nvllm.__version__ = '0.35.1'\n")
     text = _serve_and_read(tiny_model, tmp_path, "mismatch", {
         "R9K_GDN_STATE": "onepage", "PYTHONPATH": str(site),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     m = parse_vllm_metrics(text)
-    assert m.plugin["vllm_version"] == "0.33.1" and m.plugin["page_mode"] == "stock"
-    assert m.plugin["reason"].startswith("vLLM 0.33.1 is not 0.32.x")
+    assert m.plugin["vllm_version"] == "0.35.1" and m.plugin["page_mode"] == "stock"
+    assert m.plugin["reason"].startswith("vLLM 0.35.1 is not a release the plugin knows")
     assert m.num_blocks == plan.stock.num_blocks
     proof = prove_pages(text, plan, "onepage")
     assert not proof.ok and proof.page_mode == "stock"
-    assert proof.reason.startswith("vLLM 0.33.1 is not 0.32.x")  # the fleet says why, not "did not load"
+    assert proof.reason.startswith("vLLM 0.35.1 is not a release the plugin knows")  # the fleet says why, not "did not load"

@@ -21,7 +21,21 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from r9k.kernels import cpu_align  # noqa: E402
 from r9k.kernels._stock_loader import mamba_align_kernels  # noqa: E402
 
-REF = mamba_align_kernels()
+# another release's kernels (R9K_ALIGN_SOURCE: its source tree) against the ports with that
+# release's signatures (R9K_ALIGN_SERIES, from r9k.compat); default: the installed vLLM's
+REF = mamba_align_kernels(os.environ.get("R9K_ALIGN_SOURCE") or None)
+SERIES = os.environ.get("R9K_ALIGN_SERIES")
+if SERIES:
+    from r9k.compat.align_kernels import V032, V034
+
+    _SIGS = {"0.32": V032, "0.33": V032, "0.34": V034}[SERIES]
+    PORTS = {name.rsplit(".", 1)[1]: fn for name, fn in cpu_align.ports(
+        cpu_align._precopy, cpu_align._boundary, _SIGS.precopy, _SIGS.boundary).items()}
+else:
+    PORTS = {"precopy_mamba_align_fused_kernel": cpu_align.precopy_mamba_align_fused_kernel,
+             "postprocess_mamba_fused_kernel": cpu_align.postprocess_mamba_fused_kernel}
+# 0.34: the second seed of every case runs with its ReplaySSM flag set
+FLAGS = SERIES == "0.34"
 
 
 class World:
@@ -123,7 +137,7 @@ def run_both(kernel_name, world, launch, kwargs, grid):
     ref_args, ref_outs = launch(ref_world)
     getattr(REF, kernel_name)[grid](*ref_args, **kwargs)
     cpu_args, cpu_outs = launch(cpu_world)
-    getattr(cpu_align, kernel_name)(*cpu_args, **kwargs)
+    PORTS[kernel_name](*cpu_args, **kwargs)
     for i, (a, b) in enumerate(zip(ref_world.buffers, cpu_world.buffers)):
         assert torch.equal(a, b), f"{kernel_name}: state buffer {i} differs"
     for a, b in zip(ref_outs, cpu_outs):
@@ -131,7 +145,7 @@ def run_both(kernel_name, world, launch, kwargs, grid):
     return sum(not torch.equal(a, b) for a, b in zip(world.buffers, ref_world.buffers))
 
 
-def postprocess_case(seed, *, v2, tiles, k, block_size, num_reqs, **world_kw):
+def postprocess_case(seed, *, v2, tiles, k, block_size, num_reqs, flag=False, **world_kw):
     g = torch.Generator().manual_seed(seed)
     max_reqs = num_reqs + 3
     tally = Counter()
@@ -184,6 +198,8 @@ def postprocess_case(seed, *, v2, tiles, k, block_size, num_reqs, **world_kw):
     kwargs = dict(block_size=block_size, COPY_BLOCK_SIZE=1024,
                   CONV_STATE_DIM_FIRST=world.dim_first, HAS_IDX_MAPPING=v2,
                   PRECOMPUTED_NEW_COMPUTED=v2, TEMPORAL_TILES=tiles)
+    if FLAGS:
+        kwargs["SKIP_TEMPORAL_STATE_COPY"] = flag
 
     def launch(w):
         ptrs, stride, *meta = w.meta()
@@ -201,7 +217,7 @@ def postprocess_case(seed, *, v2, tiles, k, block_size, num_reqs, **world_kw):
     return tally, changed
 
 
-def precopy_case(seed, *, v2, tiles, k, num_reqs, **world_kw):
+def precopy_case(seed, *, v2, tiles, k, num_reqs, flag=False, **world_kw):
     g = torch.Generator().manual_seed(seed)
     max_reqs = num_reqs + 3
     tally = Counter()
@@ -226,6 +242,8 @@ def precopy_case(seed, *, v2, tiles, k, num_reqs, **world_kw):
             tally["pre_copy_bias%d" % int(bias[r])] += 1
     kwargs = dict(COPY_BLOCK_SIZE=1024, CONV_STATE_DIM_FIRST=world.dim_first,
                   HAS_IDX_MAPPING=v2, TEMPORAL_TILES=tiles)
+    if FLAGS:
+        kwargs["ZERO_TEMPORAL_TOKEN_BIAS"] = flag
 
     def launch(w):
         ptrs, stride, *meta = w.meta()
@@ -258,7 +276,7 @@ def main():
     n = 0
     for i, case in enumerate(CASES):
         for j, seed in enumerate((11 * i + 1, 11 * i + 2)):
-            kw = {**SHAPE, **case}
+            kw = {**SHAPE, **case, "flag": FLAGS and j == 1}
             pre_kw = {x: kw[x] for x in kw if x != "block_size"}
             t1, c1 = postprocess_case(seed, **kw)
             t2, c2 = precopy_case(seed + 100, **pre_kw)

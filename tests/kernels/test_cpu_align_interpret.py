@@ -61,8 +61,8 @@ def test_plugin_registers_the_ports_on_vllm_cpu():
     pytest.importorskip("vllm")
     code = ("import r9k.plugin as p; p.register();"
             "from vllm.v1.worker import mamba_utils as m; from r9k import onepage_align as c;"
-            "print(m.precopy_mamba_align_fused_kernel.func is c.precopy_mamba_align_fused_kernel,"
-            " m.postprocess_mamba_fused_kernel.func is c.postprocess_mamba_fused_kernel)")
+            "print(m.precopy_mamba_align_fused_kernel.func.__wrapped__ is c.precopy_onepage,"
+            " m.postprocess_mamba_fused_kernel.func.__wrapped__ is c.boundary_onepage)")
     env = dict(os.environ, R9K_GDN_STATE="stock")  # every page mode, stock included
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)

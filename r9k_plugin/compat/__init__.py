@@ -1,0 +1,70 @@
+"""The vLLM releases the plugin knows and what differs between them.
+
+One module per difference (`align_kernels`: the align copy kernels' signatures;
+`metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups), one `Adapter` per
+release built from them, chosen once at registration (`select`) and read by the layer and the
+hooks through `current()`; no version test anywhere else. A release serves one-page pages only
+when the GPU engine harness has proven it there (`proven`); otherwise stock pages, with the
+reason on `r9k_plugin_info` (`r9k.policy.vllm_version_reason`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from r9k.compat import align_kernels, metadata_sharing
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    series: str                 # "0.32"
+    align: align_kernels.AlignSignatures
+    shares_gdn_metadata: Callable[..., bool]  # (vllm_config, device) -> bool
+    proven: bool                # one-page identity and KV == planner on this release's engine
+    unproven_why: str = ""
+
+
+ADAPTERS = {
+    "0.32": Adapter("0.32", align_kernels.V032, metadata_sharing.v032, proven=True),
+    # 0.33: the align kernels and the V2 sharing test are 0.32's (mamba_utils.py byte-identical)
+    "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, proven=False,
+                    unproven_why="one-page not yet proven on its GPU engine, and its FlashInfer "
+                                 "prefill checkpoints write GDN pages without clearing one-page's "
+                                 "record (not yet adapted)"),
+    "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, proven=False,
+                    unproven_why="not yet adapted beyond the align copy kernels (the GDN layer's "
+                                 "two new constructor arguments, Qwen3.5's new model module, the "
+                                 "CPU ops module) and not proven on its GPU engine"),
+}
+
+
+def series(version: str) -> str:
+    """'0.32.1' -> '0.32' (a local or dev suffix is ignored)."""
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+def for_version(version: str) -> Adapter | None:
+    return ADAPTERS.get(series(version))
+
+
+_current: list[Adapter] = []
+
+
+def select(version: str) -> Adapter | None:
+    """The adapter for `version`, kept as the process's (registration calls this once)."""
+    adapter = for_version(version)
+    _current[:] = [adapter] if adapter else []
+    return adapter
+
+
+def current() -> Adapter:
+    """The adapter registration chose; before registration (tests, tools), the installed
+    vLLM's."""
+    if not _current:
+        import vllm
+
+        if select(vllm.__version__) is None:
+            raise RuntimeError(f"vLLM {vllm.__version__}: no r9k adapter (known: "
+                               f"{', '.join(ADAPTERS)})")
+    return _current[0]
