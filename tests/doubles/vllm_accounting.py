@@ -1,4 +1,6 @@
-"""vLLM 0.32's own KV-cache accounting for a hybrid model, run without an engine.
+"""vLLM's own KV-cache accounting for a hybrid model, run without an engine: the installed
+vLLM's (0.32), or another release's Python sources put first on sys.path (0.33, 0.34: see
+`_release`; tests/test_capacity_crosscheck.py runs them from a staged tree).
 
 For one configuration this builds the layers' KV cache specs through vLLM's functions (the model
 class's `get_mamba_specs_from_config` / `get_mamba_state_{shape,dtype}_from_config`, MambaBase's
@@ -95,6 +97,34 @@ def _torchvision_stand_in():
 _MODULES: dict[str, Any] = {}
 
 
+def _release() -> SimpleNamespace:
+    """Where this vLLM keeps what the harness calls (0.33 moved the config builder into
+    `kv_cache_planning` with the global groups as a fourth argument; 0.34 renamed the QSA
+    backend and caches)."""
+    import importlib.util
+
+    from vllm.v1.core import kv_cache_utils as kvu
+
+    def configs(vllm_config, specs, mems):
+        if importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is None:
+            return kvu.get_kv_cache_configs(vllm_config, specs, mems)
+        from vllm.v1.core import kv_cache_planning as kvp
+
+        groups = kvp.get_global_kv_cache_groups(vllm_config, specs)
+        return kvp.get_kv_cache_configs(vllm_config, specs, mems, groups)
+
+    if importlib.util.find_spec("vllm.models.qwen4_exp.common.qsa_cache") is not None:
+        from vllm.models.qwen4_exp.common import qsa_cache as q
+        qsa = dict(raw=q.QSAKeyStateCache, compressed=q.QSACompressedKeyCache,
+                   backend=q.QSAStateBackend)
+    else:  # 0.34
+        from vllm.models.qwen4_exp.common import qsa_indexer as q
+        qsa = dict(raw=q.QSARawKeyCache, compressed=q.QSACompressedKeyCache,
+                   backend=q.QSAIndexerBackend)
+    return SimpleNamespace(get_kv_cache_configs=configs, capacity=kvu.get_kv_cache_capacity,
+                           **qsa)
+
+
 def import_vllm_model_modules() -> dict[str, Any]:
     """vLLM's Qwen3-Next, Qwen3.5 and Qwen4Exp model classes and the QSA attention class."""
     if _MODULES:
@@ -103,8 +133,11 @@ def import_vllm_model_modules() -> dict[str, Any]:
         from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
         from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
         from vllm.models.qwen4_exp import Qwen4ExpForCausalLM
-        from vllm.models.qwen4_exp.nvidia.qsa import (
-            Qwen4ExpQSAAttention, Qwen4ExpQSAFlashAttentionBackend)
+        from vllm.models.qwen4_exp.nvidia import qsa
+
+        Qwen4ExpQSAAttention = qsa.Qwen4ExpQSAAttention
+        Qwen4ExpQSAFlashAttentionBackend = getattr(  # 0.34: Qwen4ExpQSABackend
+            qsa, "Qwen4ExpQSAFlashAttentionBackend", None) or qsa.Qwen4ExpQSABackend
 
         from r9k.models.sizing import OnePageGdnSizing, OnePageSizing
     _MODULES.update(
@@ -152,7 +185,6 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
                                                   resolve_kv_cache_layout)
-    from vllm.v1.core import kv_cache_utils as kvu
     from vllm.v1.kv_cache_interface import MambaSpec
 
     import r9k.models.sizing as sizing
@@ -177,6 +209,7 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
         dtype=dtype, hf_text_config=hf, hf_config=hf, architecture=base_cls.__name__,
         max_model_len=max_model_len, original_max_model_len=max_model_len, use_mla=False,
         is_hybrid=True, uses_mrope=False, multimodal_config=None,
+        supports_kv_cache_grouping=False,  # 0.33+: no Qwen model groups its own KV cache
         get_num_kv_heads=lambda pc: max(1, total_kv_heads // pc.tensor_parallel_size),
         get_head_size=lambda: head_dim)
     parallel_config = SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=1,
@@ -193,7 +226,8 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
                                          max_num_batched_tokens=8192),
         attention_config=SimpleNamespace(hisparse_config=None),
         compilation_config=SimpleNamespace(static_forward_context={}),
-        kv_transfer_config=None, lora_config=None)
+        kv_transfer_config=None, lora_config=None,
+        use_flashinfer_replayssm=False)  # 0.34's block-size alignment reads it
 
     attn_backend = (CPUAttentionBackend if platform == "cpu"
                     else mods["Qwen4ExpQSAFlashAttentionBackend"])
@@ -228,7 +262,8 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
     def layer_spec(spec: MambaSpec, mamba_type, replicated: bool):
         layer = SimpleNamespace(get_state_shape=lambda: spec.shapes,
                                 get_state_dtype=lambda: spec.dtypes, mamba_type=mamba_type,
-                                is_kv_cache_tp_replicated=replicated)
+                                is_kv_cache_tp_replicated=replicated,
+                                state_alignment=1)  # 0.34 reads it; 1 for GDN and PLE
         return MambaBase.get_kv_cache_spec(layer, vllm_config)
 
     gdn_layer_spec = layer_spec(gdn_spec, MambaAttentionBackendEnum.GDN_ATTN, False)
@@ -252,17 +287,16 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
                     or getattr(hf, "num_nextn_predict_layers", None) or 1)
         for j in range(n_mtp):
             specs[f"mtp.layers.{hf.num_hidden_layers + j}.self_attn.attn"] = attn_spec
+    release = _release()
     if family == "qwen4_exp" and getattr(hf, "indexer_n_heads", None) is not None:
-        from vllm.models.qwen4_exp.common.qsa_cache import (QSACompressedKeyCache,
-                                                            QSAKeyStateCache)
         for name in [n for n in specs if n.endswith("self_attn.attn")]:
             prefix = name.removesuffix(".attn") + ".indexer."
-            raw = QSAKeyStateCache(head_size=int(hf.indexer_head_dim), dtype=dtype,
+            raw = release.raw(head_size=int(hf.indexer_head_dim), dtype=dtype,
                                    cache_rope_positions=False, prefix=prefix + "raw_key_cache",
                                    cache_config=cache_config,
                                    compress_ratio=int(hf.indexer_compress_ratio),
                                    vllm_config=vllm_config)
-            comp = QSACompressedKeyCache(head_size=int(hf.indexer_head_dim), dtype=dtype,
+            comp = release.compressed(head_size=int(hf.indexer_head_dim), dtype=dtype,
                                          compress_ratio=int(hf.indexer_compress_ratio),
                                          prefix=prefix + "compressed_key_cache",
                                          cache_config=cache_config, vllm_config=vllm_config)
@@ -272,12 +306,11 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
     backends = [attn_backend, GDNAttentionBackend]
     if family == "qwen4_exp" and getattr(hf, "indexer_n_heads", None) is not None:
-        from vllm.models.qwen4_exp.common.qsa_cache import QSAStateBackend
-        backends.append(QSAStateBackend)
+        backends.append(release.backend)
     layouts = [m.name for m in get_supported_kv_cache_layouts(backends)]
     resolve_kv_cache_layout(vllm_config, [layouts], specs.values())
-    (kv_config,) = kvu.get_kv_cache_configs(vllm_config, [specs], [kv_bytes_per_rank])
-    tokens, concurrency = kvu.get_kv_cache_capacity(vllm_config, kv_config)
+    (kv_config,) = release.get_kv_cache_configs(vllm_config, [specs], [kv_bytes_per_rank])
+    tokens, concurrency = release.capacity(vllm_config, kv_config)
     blocks_per_request = sum(
         -(-g.kv_cache_spec.max_memory_usage_bytes(vllm_config) // g.kv_cache_spec.page_size_bytes)
         for g in kv_config.kv_cache_groups)

