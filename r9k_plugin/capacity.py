@@ -209,6 +209,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1, "hc_count": 4,
         "ple_layer_ids": [1], "ple_conv_kernel_size": 4, "ngram_size": 3,
     },
+    # The public Qwen/Qwen3.8-Flash-Next text config, where it differs from transformers'
+    # Qwen4ExpTextConfig defaults that "flash-next" follows: hidden 2560, attention heads 24 / 2
+    # KV, GDN value heads 48, PLE on layer 2 (1-based), the QSA indexer (4 heads, 1 KV head, dim
+    # 128, budget 2048, compress 4). Everything else is the defaults, 40 layers among them, but
+    # RoPE on a quarter of the head (transformers refuses a rotary dim over the index head's;
+    # no page depends on it).
+    "qwen3.8-flash-next": {
+        "model_type": "qwen4_exp_text", "num_hidden_layers": 40, "full_attention_interval": 4,
+        "hidden_size": 2560, "num_attention_heads": 24, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1, "hc_count": 4,
+        "ple_layer_ids": [2], "ple_conv_kernel_size": 4, "ngram_size": 3,
+        "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128,
+        "indexer_budget": 2048, "indexer_compress_ratio": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25},
+    },
     "tiny": TINY_SHAPE,
 }
 

@@ -101,6 +101,13 @@ def _grid() -> list[tuple]:
                                                                (False, True)):
         cases.append(("qwen4_exp", dict(flash, eos_token_id=1), tp, 3, pool, "bfloat16",
                       prefix_caching, onepage, "gpu"))
+    # the public Qwen3.8-Flash-Next config (QSA indexer, PLE on layer 2) at TP 2 and 4
+    public = {k: v for k, v in cap.PRESETS["qwen3.8-flash-next"].items()
+              if k not in ("model_type", "torch_dtype")}
+    for tp, pool, prefix_caching, onepage in itertools.product(
+            TPS, [(20 * GIB, 65536), (int(7.3 * GIB), 131072)], (False, True), (False, True)):
+        cases.append(("qwen4_exp", dict(public, eos_token_id=1), tp, 3, pool, "float32",
+                      prefix_caching, onepage, "gpu"))
     return cases
 
 
@@ -153,25 +160,27 @@ def test_planner_equals_vllm_accounting_on_every_shape():
             refused_start += 1
             continue
         theirs = vllm_accounting(family, fields, ssm_dtype=sdt, **kw)
+        groups = (mine.num_gdn_groups + mine.num_attention_groups + mine.num_ple_groups
+                  + mine.num_indexer_ring_groups)
         got = (mine.attention_block_size, max(mine.gdn_page_bytes, mine.ple_page_bytes),
-               mine.num_blocks, mine.blocks_per_request, mine.tokens)
+               mine.num_blocks, mine.blocks_per_request, mine.tokens, groups)
         want = (theirs.attention_block_size, theirs.mamba_page_bytes, theirs.num_blocks,
-                theirs.blocks_per_request, theirs.tokens)
+                theirs.blocks_per_request, theirs.tokens, theirs.num_groups)
         assert got == want, (
             f"planner != vLLM for {_describe(case)}: (block tokens, mamba page B, blocks, "
-            f"blocks per request, tokens) planner {got}, vLLM {want}")
+            f"blocks per request, tokens, KV cache groups) planner {got}, vLLM {want}")
         checked += 1
     qwen4 = sum(1 for c in cases if c[0] == "qwen4_exp")
     qsa = sum(1 for c in cases if "indexer_head_dim" in c[1])
     print(f"{checked} shapes equal, {rejected} refused by both (QSA ring), {refused_start} "
           f"refused by both (no room for one request), {qwen4} Qwen4Exp ({qsa} with "
           f"the QSA indexer), {len(cases) - qwen4} Qwen3-Next/Qwen3.5")
-    assert checked + rejected + refused_start == len(cases) == 704 and qwen4 == 504
+    assert checked + rejected + refused_start == len(cases) == 720 and qwen4 == 520
 
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_planner_equals_each_release_accounting(version):
-    """The same 704 configurations against vLLM 0.33's and 0.34's accounting (0.33 moved it to
+    """The same 720 configurations against vLLM 0.33's and 0.34's accounting (0.33 moved it to
     `kv_cache_planning`; 0.34 renamed the QSA caches and added state alignment). A layer that
     exports FlashInfer prefill checkpoints (0.33+, CUDA, prefix caching) adds a page and aligns
     blocks to 64 tokens: no layer here does (what one-page does there is open, issue 28)."""

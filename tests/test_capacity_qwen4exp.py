@@ -104,6 +104,23 @@ def test_flash_next_preset_shape():
             s.head_dim, s.hidden_size, s.hc_count) == (16, 32, 2, 256, 2048, 4)
 
 
+def test_public_flash_next_preset_shape_and_grouping():
+    """The public Qwen3.8-Flash-Next config: its differences from the defaults, and the packed
+    grouping its QSA indexer brings (the numbers themselves are held to vLLM's own accounting
+    in tests/test_capacity_crosscheck.py)."""
+    s = cap.preset("qwen3.8-flash-next")
+    assert (s.num_gdn_layers, s.num_attention_layers, s.num_ple_layers, s.num_mtp_layers) == \
+        (30, 10, 1, 1)
+    assert (s.linear_num_value_heads, s.num_attention_heads, s.num_key_value_heads,
+            s.hidden_size) == (48, 24, 2, 2560)
+    p = cap.plan(s, tp=4, num_spec=3, kv_bytes_per_rank=20 * GIB, max_model_len=65536,
+                 prefix_caching=True, state_dtype="float32")
+    assert (p.stock.num_gdn_groups, p.stock.num_ple_groups, p.stock.num_attention_groups,
+            p.stock.num_indexer_ring_groups, p.stock.group_size) == (3, 1, 1, 1, 22)
+    assert p.onepage.tokens > p.stock.tokens and \
+        p.onepage.pinned_fraction < p.stock.pinned_fraction
+
+
 def test_flash_next_tp2_tp4_exact_numbers():
     """The README's table: memory per rank solved from the seed's stock counts (inferred)."""
     got = {}

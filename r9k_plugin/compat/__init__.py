@@ -32,9 +32,10 @@ ADAPTERS = {
                                  "prefill checkpoints write GDN pages without clearing one-page's "
                                  "record (not yet adapted)"),
     "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, proven=False,
-                    unproven_why="not yet adapted beyond the align copies and metadata sharing (the GDN layer's "
-                                 "two new constructor arguments, Qwen3.5's new model module, the "
-                                 "CPU ops module) and not proven on its GPU engine"),
+                    unproven_why="not yet adapted beyond the align copies and metadata "
+                                 "sharing (the GDN layer's two new constructor arguments, "
+                                 "Qwen3.5's new model module, the CPU ops module) and not proven "
+                                 "on its GPU engine"),
 }
 
 
