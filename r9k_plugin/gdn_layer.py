@@ -79,12 +79,21 @@ class OnePageGDNAttentionBackend(GDNAttentionBackend):
 
 class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, **release_kwargs) -> None:
+        from r9k import compat
+
+        adapter = compat.current()
+        unknown = sorted(set(release_kwargs) - set(adapter.layer_kwargs))
+        if unknown:  # as vLLM's own constructor would: a keyword this release does not take
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments "
+                            f"{unknown} (vLLM {adapter.series} takes {adapter.layer_kwargs})")
         self.onepage = onepage_enabled(vllm_config)
         self._vllm_config = vllm_config
-        super().__init__(config, vllm_config, prefix, gqa_interleaved_layout, reduce_results)
+        super().__init__(config, vllm_config, prefix, gqa_interleaved_layout, reduce_results,
+                         **release_kwargs)
         if not self.onepage:
             return
+        adapter.no_prefill_checkpoints(self)
         self.num_candidates = 1 + self.num_spec  # S, from the configuration, never an index width
         self.onepage_heads = GdnHeads(self.num_k_heads // self.tp_size,
                                       self.num_v_heads // self.tp_size,

@@ -1,7 +1,8 @@
 """The vLLM releases the plugin knows and what differs between them.
 
 One module per difference (`align_kernels`: the align copy kernels' signatures;
-`metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups), one `Adapter` per
+`metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups; `layer_init`: the GDN
+layer's constructor keywords and prefill checkpoints), one `Adapter` per
 release built from them, chosen once at registration (`select`) and read by the layer and the
 hooks through `current()`; no version test anywhere else. A release serves one-page pages only
 when the GPU engine harness has proven it there (`proven`); otherwise stock pages, with the
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from r9k.compat import align_kernels, metadata_sharing
+from r9k.compat import align_kernels, layer_init, metadata_sharing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,22 +21,23 @@ class Adapter:
     series: str                 # "0.32"
     align: align_kernels.AlignSignatures
     shares_gdn_metadata: Callable[..., bool]  # (vllm_config, device) -> bool
+    layer_kwargs: tuple[str, ...]             # GDN constructor keywords past 0.32's
+    no_prefill_checkpoints: Callable[..., None]  # (one-page layer) -> None
     proven: bool                # one-page identity and KV == planner on this release's engine
     unproven_why: str = ""
 
 
 ADAPTERS = {
-    "0.32": Adapter("0.32", align_kernels.V032, metadata_sharing.v032, proven=True),
+    "0.32": Adapter("0.32", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
+                    layer_init.no_prefill_checkpoints_032, proven=True),
     # 0.33: the align kernels and the V2 sharing test are 0.32's (mamba_utils.py byte-identical)
-    "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, proven=False,
-                    unproven_why="one-page not yet proven on its GPU engine, and its FlashInfer "
-                                 "prefill checkpoints write GDN pages without clearing one-page's "
-                                 "record (not yet adapted)"),
-    "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, proven=False,
-                    unproven_why="not yet adapted beyond the align copies and metadata "
-                                 "sharing (the GDN layer's two new constructor arguments, "
-                                 "Qwen3.5's new model module, the CPU ops module) and not proven "
-                                 "on its GPU engine"),
+    "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
+                    layer_init.no_prefill_checkpoints_033, proven=False,
+                    unproven_why="one-page not yet proven on its GPU engine"),
+    "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, layer_init.KWARGS_034,
+                    layer_init.no_prefill_checkpoints_033, proven=False,
+                    unproven_why="not yet adapted for Qwen3.5's new model module on CUDA and "
+                                 "the CPU ops module, and not proven on its GPU engine"),
 }
 
 

@@ -1,0 +1,110 @@
+"""r9k.compat, the releases the plugin knows: selection, the version gate, and each difference
+module against that release's own source (0.32 installed; 0.33 and 0.34 staged from their
+wheels by `doubles.vllm_releases`). The align kernels' differences are checked in
+tests/kernels/test_align_versions.py, the planner's in tests/test_capacity_crosscheck.py."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from doubles.vllm_releases import RELEASES, staged
+from r9k import compat
+from r9k.policy import vllm_version_reason
+
+GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+BASE_KWARGS = ("prefix", "gqa_interleaved_layout", "reduce_results")
+
+
+def _root(version: str | None) -> Path:
+    if version:
+        return staged(version)
+    spec = importlib.util.find_spec("vllm")
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _releases():
+    yield pytest.param(None, "0.32", id="0.32-installed")
+    for v in RELEASES:
+        yield pytest.param(v, compat.series(v), id=v)
+
+
+def _gdn_class(root: Path) -> ast.ClassDef:
+    tree = ast.parse((root / GDN).read_text())
+    return next(n for n in tree.body
+                if isinstance(n, ast.ClassDef) and n.name == "QwenGatedDeltaNetAttention")
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _self_attrs(fn: ast.FunctionDef, ctx) -> set[str]:
+    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ctx)}
+
+
+def test_selection_and_gate():
+    assert compat.series("0.32.0") == compat.series("0.32.3+cpu") == "0.32"
+    assert compat.for_version("0.35.0") is None and compat.for_version("0.31.9") is None
+    assert [s for s, a in compat.ADAPTERS.items() if a.proven] == ["0.32"]
+    assert vllm_version_reason("0.32.0") is None
+    assert vllm_version_reason("0.33.0") == "vLLM 0.33.0: one-page not yet proven on its GPU engine"
+    assert "is not a release the plugin knows" in vllm_version_reason("0.35.0")
+    # the process's adapter is chosen once and kept
+    try:
+        assert compat.select("0.34.1").series == "0.34"
+        assert compat.current().series == "0.34"
+    finally:
+        import vllm
+
+        compat.select(vllm.__version__)
+    assert compat.current().series == "0.32"
+
+
+@pytest.mark.parametrize("version,series", list(_releases()))
+def test_layer_keywords_are_the_release_constructor(version, series):
+    """The one-page layer takes exactly the keywords the release's GDN constructor takes: one
+    it lacks fails the model's construction (0.34's NVIDIA Qwen3.5 passes two new ones)."""
+    pytest.importorskip("vllm")
+    init = _method(_gdn_class(_root(version)), "__init__")
+    names = [a.arg for a in init.args.args[1:]] + [a.arg for a in init.args.kwonlyargs]
+    assert names[:2] == ["config", "vllm_config"]
+    assert tuple(names[2:]) == BASE_KWARGS + compat.ADAPTERS[series].layer_kwargs
+
+
+@pytest.mark.parametrize("version,series", list(_releases()))
+def test_prefill_checkpoint_opt_out_sets_what_the_release_reads(version, series):
+    """From 0.33 the layer's `_checkpoint_alignment` (set in its constructor) is what both
+    `get_prefill_checkpoint_alignment` and `_exports_checkpoints` read: the one-page opt-out
+    sets it to None after vLLM's constructor. 0.32 has no checkpoints: the opt-out is a no-op."""
+    pytest.importorskip("vllm")
+    cls = _gdn_class(_root(version))
+    set_in_init = _self_attrs(_method(cls, "__init__"), ast.Store)
+    adapter = compat.ADAPTERS[series]
+    if series == "0.32":
+        assert "_checkpoint_alignment" not in set_in_init
+        assert adapter.no_prefill_checkpoints.__name__.endswith("_032")
+        return
+    assert "_checkpoint_alignment" in set_in_init
+    for reader in ("get_prefill_checkpoint_alignment", "_exports_checkpoints"):
+        assert "_checkpoint_alignment" in _self_attrs(_method(cls, reader), ast.Load), reader
+
+    class Layer:  # what the opt-out touches: one attribute, nothing else
+        _checkpoint_alignment = 64
+    layer = Layer()
+    adapter.no_prefill_checkpoints(layer)
+    assert layer._checkpoint_alignment is None and vars(layer) == {"_checkpoint_alignment": None}
+
+
+def test_one_page_layer_refuses_keywords_the_release_does_not_take():
+    pytest.importorskip("vllm")
+    import torch
+
+    from r9k.gdn_layer import OnePageGatedDeltaNetAttention as L
+
+    layer = torch.nn.Module.__new__(L)
+    with pytest.raises(TypeError, match=r"overlap_ba_proj.*vLLM 0\.32 takes \(\)"):
+        L.__init__(layer, None, None, overlap_ba_proj=True)
