@@ -108,3 +108,36 @@ def test_one_page_layer_refuses_keywords_the_release_does_not_take():
     layer = torch.nn.Module.__new__(L)
     with pytest.raises(TypeError, match=r"overlap_ba_proj.*vLLM 0\.32 takes \(\)"):
         L.__init__(layer, None, None, overlap_ba_proj=True)
+
+
+ARCH_FAMILY = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5",
+               "Qwen3_5MoeForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+               "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+               "Qwen4ExpForCausalLM": "qwen4_exp", "Qwen4ExpForConditionalGeneration": "qwen4_exp"}
+
+
+def _registry_modules(root: Path) -> dict[str, str]:
+    """Architecture -> module in the release's `_..._MODELS` tables (a short name is a module
+    of vllm.model_executor.models, as the registry resolves it)."""
+    tree = ast.parse((root / "vllm/model_executor/models/registry.py").read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if (isinstance(k, ast.Constant) and k.value in ARCH_FAMILY
+                        and isinstance(v, ast.Tuple) and isinstance(v.elts[0], ast.Constant)):
+                    mod = v.elts[0].value
+                    out[k.value] = mod if "." in mod else f"vllm.model_executor.models.{mod}"
+    return out
+
+
+@pytest.mark.parametrize("version,series", list(_releases()))
+def test_model_classes_subclass_what_the_release_registers(version, series):
+    """The one-page model classes subclass the class the release's registry serves for each
+    architecture (0.34 serves Qwen3.5 from vllm.models.qwen3_5, NVIDIA's on CUDA)."""
+    pytest.importorskip("vllm")
+    registered = _registry_modules(_root(version))
+    assert set(registered) == set(ARCH_FAMILY), sorted(set(ARCH_FAMILY) - set(registered))
+    modules = compat.ADAPTERS[series].model_modules
+    for arch, family in ARCH_FAMILY.items():
+        assert registered[arch] == modules[family], (series, arch)

@@ -1,6 +1,10 @@
-from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+from importlib import import_module
 
+from r9k import compat
 from r9k.models.sizing import OnePageSizing
+
+Qwen3NextForCausalLM = import_module(
+    compat.current().model_modules["qwen3_next"]).Qwen3NextForCausalLM
 
 
 class OnePageQwen3NextForCausalLM(OnePageSizing, Qwen3NextForCausalLM):

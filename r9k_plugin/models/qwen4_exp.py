@@ -1,7 +1,12 @@
 """Qwen4Exp ("Flash-Next"): platform-specific classes (imports qwen2_vl: needs torchvision)."""
-from vllm.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
+from importlib import import_module
 
+from r9k import compat
 from r9k.models.sizing import OnePageGdnSizing
+
+_stock = import_module(compat.current().model_modules["qwen4_exp"])
+Qwen4ExpForCausalLM = _stock.Qwen4ExpForCausalLM
+Qwen4ExpForConditionalGeneration = _stock.Qwen4ExpForConditionalGeneration
 
 
 class OnePageQwen4ExpForCausalLM(OnePageGdnSizing, Qwen4ExpForCausalLM):
