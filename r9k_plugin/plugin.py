@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from r9k.policy import GDN_STATE_ENV, gdn_state_mode, vllm_version_reason
+from r9k.policy import GDN_STATE_ENV, gdn_state_mode, unproven_allowed, vllm_version_reason
 
 logger = logging.getLogger("vllm.r9k")
 
@@ -14,6 +14,7 @@ def register() -> None:
     """Called by vLLM in every engine and worker process (entry point vllm.general_plugins)."""
     global _registered
     mode = gdn_state_mode()  # a bad value raises here, which stops the engine at start
+    unproven_allowed()  # likewise
     if _registered:
         return
     _registered = True
@@ -25,7 +26,11 @@ def register() -> None:
 
     from r9k import compat, models
 
-    compat.select(vllm.__version__)  # the release's differences, chosen once
+    adapter = compat.select(vllm.__version__)  # the release's differences, chosen once
+    if not adapter.proven:
+        logger.warning("r9k: vLLM %s's adapter is not proven on its engine (%s); one-page "
+                       "allowed by R9K_VLLM_UNPROVEN=allow, for proving runs only",
+                       vllm.__version__, adapter.unproven_why)
     from r9k.gdn_layer import register_layer
 
     register_cpu_align_kernels()

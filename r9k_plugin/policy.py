@@ -17,6 +17,9 @@ GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
 GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
 VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
+# One-page on a release whose adapter exists but is not yet proven on its engine: for the runs
+# that prove it (the GPU engine harness), never for serving. "refuse" (default) | "allow".
+UNPROVEN_ENV = "R9K_VLLM_UNPROVEN"
 # Architectures whose page sizing r9k.models registers (see r9k.models.ARCHITECTURES).
 ONEPAGE_ARCHITECTURES = frozenset({
     "Qwen3NextForCausalLM",
@@ -37,9 +40,20 @@ def gdn_state_mode() -> str:
     return value
 
 
+def unproven_allowed() -> bool:
+    """R9K_VLLM_UNPROVEN; raises ValueError naming the allowed values on a bad setting."""
+    raw = os.environ.get(UNPROVEN_ENV, "refuse")
+    value = raw.strip().lower()
+    if value not in ("refuse", "allow"):
+        raise ValueError(f"{UNPROVEN_ENV}={raw!r}: expected refuse (the default) or allow (only "
+                         "to prove an adapted vLLM release on its engine)")
+    return value == "allow"
+
+
 def vllm_version_reason(version: str | None = None) -> str | None:
     """Why this vLLM release gets stock pages (None: one-page can serve). A release without an
-    adapter (`r9k.compat`), or with one the GPU engine has not proven, keeps stock pages."""
+    adapter (`r9k.compat`), or with one the GPU engine has not proven, keeps stock pages; the
+    latter serves one-page only under R9K_VLLM_UNPROVEN=allow (the runs that prove it)."""
     from r9k import compat
 
     if version is None:
@@ -50,7 +64,7 @@ def vllm_version_reason(version: str | None = None) -> str | None:
     if adapter is None:
         return (f"vLLM {version} is not a release the plugin knows ({', '.join(compat.ADAPTERS)}"
                 "; proven: " + ", ".join(s for s, a in compat.ADAPTERS.items() if a.proven) + ")")
-    if not adapter.proven:
+    if not adapter.proven and not unproven_allowed():
         return f"vLLM {version}: {adapter.unproven_why}"
     return None
 

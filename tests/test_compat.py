@@ -46,6 +46,17 @@ def _self_attrs(fn: ast.FunctionDef, ctx) -> set[str]:
             and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ctx)}
 
 
+def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkeypatch):
+    monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
+    assert vllm_version_reason("0.34.0").startswith("vLLM 0.34.0: one-page not yet proven")
+    monkeypatch.setenv("R9K_VLLM_UNPROVEN", "allow")
+    assert vllm_version_reason("0.34.0") is None and vllm_version_reason("0.33.2") is None
+    assert "is not a release the plugin knows" in vllm_version_reason("0.35.0")  # no adapter
+    monkeypatch.setenv("R9K_VLLM_UNPROVEN", "yes")
+    with pytest.raises(ValueError, match="R9K_VLLM_UNPROVEN='yes': expected refuse"):
+        vllm_version_reason("0.34.0")
+
+
 def test_selection_and_gate():
     assert compat.series("0.32.0") == compat.series("0.32.3+cpu") == "0.32"
     assert compat.for_version("0.35.0") is None and compat.for_version("0.31.9") is None

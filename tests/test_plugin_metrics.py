@@ -96,4 +96,4 @@ def test_version_mismatch_series(model, monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     labels = _exported(cfg)
     assert labels["page_mode"] == "stock"
-    assert labels["reason"].startswith("vLLM 0.34.0: not yet adapted")
+    assert labels["reason"].startswith("vLLM 0.34.0: one-page not yet proven")
