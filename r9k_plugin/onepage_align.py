@@ -286,9 +286,9 @@ class GpuAlignKernel:
                          cpu_align.bind(self._signature, args, kwargs))
 
 
-GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: (0.32's signature, boundary copy?)
-    "precopy_mamba_align_fused_kernel": (cpu_align.PRECOPY, False),
-    "postprocess_mamba_fused_kernel": (cpu_align.BOUNDARY, True),
+GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: boundary copy?
+    "precopy_mamba_align_fused_kernel": False,
+    "postprocess_mamba_fused_kernel": True,
 }
 
 
@@ -303,7 +303,7 @@ def install_gpu_kernels(module, precopy=cpu_align.PRECOPY, boundary=cpu_align.BO
     done = []
     signatures = {"precopy_mamba_align_fused_kernel": precopy,
                   "postprocess_mamba_fused_kernel": boundary}
-    for name, (_, is_boundary) in GPU_KERNELS.items():
+    for name, is_boundary in GPU_KERNELS.items():
         original = getattr(module, name)
         if isinstance(original, GpuAlignKernel):
             continue

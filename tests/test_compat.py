@@ -57,7 +57,8 @@ def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkey
         vllm_version_reason("0.34.0")
 
 
-def test_selection_and_gate():
+def test_selection_and_gate(monkeypatch):
+    monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
     assert compat.series("0.32.0") == compat.series("0.32.3+cpu") == "0.32"
     assert compat.for_version("0.35.0") is None and compat.for_version("0.31.9") is None
     assert [s for s, a in compat.ADAPTERS.items() if a.proven] == ["0.32"]

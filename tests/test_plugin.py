@@ -39,6 +39,18 @@ def test_bad_mode_raises_naming_allowed_values(monkeypatch, value):
         register()
 
 
+@pytest.mark.parametrize("value", ["yes", "ALLOWED", "1"])
+def test_bad_unproven_setting_stops_registration(monkeypatch, value):
+    """R9K_VLLM_UNPROVEN is checked at registration on every release, proven or not: a typo
+    stops the engine at start instead of quietly meaning "refuse"."""
+    from r9k.plugin import register
+
+    monkeypatch.setenv("R9K_GDN_STATE", "onepage")
+    monkeypatch.setenv("R9K_VLLM_UNPROVEN", value)
+    with pytest.raises(ValueError, match="R9K_VLLM_UNPROVEN=.*expected refuse"):
+        register()
+
+
 def _cfg(**over):
     text = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=128,
                            linear_num_key_heads=16, linear_num_value_heads=48)

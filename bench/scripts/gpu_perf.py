@@ -116,7 +116,11 @@ def seqs_cap(choice: str, plan: dict) -> int | None:
     preempts when running requests grow); "planner" = the mode's whole requests of max_model_len
     (admits only what can grow to the end: no preemption by growth, as a server that reserves
     for max_tokens does)."""
-    return plan["whole_requests"] if choice == "planner" else None
+    if choice != "planner":
+        return None
+    if plan["whole_requests"] < 1:
+        raise ValueError(f"--max-num-seqs planner: the planner fits no whole request ({plan})")
+    return plan["whole_requests"]
 
 
 def run(args: argparse.Namespace) -> int:

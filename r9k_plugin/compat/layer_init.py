@@ -9,8 +9,9 @@
   exporter writes conv and SSM states into prefix-cache pages with plain stores, leaving a
   one-page page's flag and record words as they were, and counts one more page per group.
   A one-page layer opts out (`_checkpoint_alignment = None`, what vLLM's own non-exporting
-  layers report); one layer without it turns checkpoints off for the model, so vLLM splits
-  prefills at block boundaries as 0.32 did and the planner's pages hold."""
+  layers report); one layer without it turns checkpoints off for the model, so vLLM should
+  split prefills at block boundaries as 0.32 did and keep the planner's pages. Intended, not
+  yet run on a 0.33 engine (issue 28)."""
 from __future__ import annotations
 
 KWARGS_032: tuple[str, ...] = ()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 
 def v032(vllm_config, device) -> bool:
-    """0.32 and 0.33 (`gdn_attn.py:134`): the V2 model runner on a CUDA-alike device."""
+    """0.32 and 0.33 (`gdn_attn.py:134` / `:185`): the V2 model runner on a CUDA-alike
+    device."""
     return bool(vllm_config.use_v2_model_runner) and device.type == "cuda"
 
 

@@ -26,9 +26,9 @@ from r9k.kernels._stock_loader import mamba_align_kernels  # noqa: E402
 REF = mamba_align_kernels(os.environ.get("R9K_ALIGN_SOURCE") or None)
 SERIES = os.environ.get("R9K_ALIGN_SERIES")
 if SERIES:
-    from r9k.compat.align_kernels import V032, V034
+    from r9k import compat
 
-    _SIGS = {"0.32": V032, "0.33": V032, "0.34": V034}[SERIES]
+    _SIGS = compat.ADAPTERS[SERIES].align
     PORTS = {name.rsplit(".", 1)[1]: fn for name, fn in cpu_align.ports(
         cpu_align._precopy, cpu_align._boundary, _SIGS.precopy, _SIGS.boundary).items()}
 else:

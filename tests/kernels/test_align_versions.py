@@ -124,5 +124,5 @@ def test_ports_take_a_release_signature():
                                        is inspect.Parameter.empty)}
     pre(**args, ZERO_TEMPORAL_TOKEN_BIAS=True)
     assert seen[-1]["ZERO_TEMPORAL_TOKEN_BIAS"] is True and seen[-1]["TEMPORAL_TILES"] == 1
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="ZERO_TEMPORAL_TOKEN_BIAS"):
         cpu_align.precopy_mamba_align_fused_kernel(**args, ZERO_TEMPORAL_TOKEN_BIAS=True)
