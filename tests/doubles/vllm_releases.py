@@ -10,6 +10,7 @@ extensions are not there and not needed for these checks)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,9 +39,16 @@ def staged(version: str) -> Path:
         if res.returncode or not wheels:
             raise RuntimeError(f"cannot stage vLLM {version}'s sources: pip download failed "
                                f"({res.stderr.strip()[-400:]}); stage them by hand into {dest}")
-        part = dest.with_name(dest.name + ".part")
+        # extracted beside, then renamed: an interrupted run leaves no half tree at `dest`
+        part = dest.with_name(f"{dest.name}.part{os.getpid()}")
+        shutil.rmtree(part, ignore_errors=True)
         with zipfile.ZipFile(wheels[0]) as whl:
             names = [n for n in whl.namelist() if n.startswith("vllm/") and n.endswith(".py")]
             whl.extractall(part, names)
+        if dest.exists():  # a half tree from an older layout, or another process won the race
+            if (dest / "vllm" / "__init__.py").is_file():
+                shutil.rmtree(part)
+                return dest
+            shutil.rmtree(dest)
         part.rename(dest)
     return dest
