@@ -77,7 +77,8 @@ import triton
 import triton.language as tl
 
 from r9k.kernels.triton_fused import (  # the shipped kernel's tiling and layout checks
-    STOCK_BV_MAX, STOCK_NUM_STAGES, STOCK_NUM_WARPS, _check_layout, _step_rows)
+    STOCK_BV_MAX, STOCK_NUM_STAGES, STOCK_NUM_WARPS, _check_layout, _first_candidate_row,
+    _step_rows)
 from r9k.page_layout import (
     FLAG_COUNT, FLAG_DONE, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, head_dims_reason)
 # flag word columns, as constexprs the kernel may read
@@ -295,15 +296,9 @@ def onepage_gdn_step_kernel(
         r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
     if PREFETCH == 1 and not SPEC:
         # PREFETCH 1: the first candidate row too (it stays in registers through the replay)
-        if HAS_ROW_MAP:
-            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
-        else:
-            n_row = bos
-        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
-        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
-        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
+            HAS_ROW_MAP)
 
     if DO_RECORD and REC_ROWS and ROWS_END:
         # ROWS_END: the tiles are loaded here and stored after the verify loop, so no store
@@ -390,15 +385,9 @@ def onepage_gdn_step_kernel(
             p_rb += W
     if PREFETCH == 2:
         # PREFETCH 2: the first candidate row is loaded after the replay, beside its store
-        if HAS_ROW_MAP:
-            n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
-        else:
-            n_row = bos
-        n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
-        n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
-        n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
+        n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
+            HAS_ROW_MAP)
     if DO_REPLAY:
         if n_replay > 0:
             tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)

@@ -177,10 +177,6 @@ def kernel_ports(precopy=cpu_align.PRECOPY, boundary=cpu_align.BOUNDARY) -> dict
 
 
 VLLM_KERNEL_NAMES = kernel_ports()  # vLLM 0.32's signatures
-precopy_mamba_align_fused_kernel = VLLM_KERNEL_NAMES[
-    cpu_align.QUALIFIED + "precopy_mamba_align_fused_kernel"]
-postprocess_mamba_fused_kernel = VLLM_KERNEL_NAMES[
-    cpu_align.QUALIFIED + "postprocess_mamba_fused_kernel"]
 
 
 # --- GPUs ----------------------------------------------------------------------------------------

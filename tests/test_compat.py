@@ -5,30 +5,16 @@ tests/kernels/test_align_versions.py, the planner's in tests/test_capacity_cross
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from doubles.vllm_releases import RELEASES, staged
+from doubles.vllm_releases import release_params, source_root
 from r9k import compat
 from r9k.policy import vllm_version_reason
 
 GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 BASE_KWARGS = ("prefix", "gqa_interleaved_layout", "reduce_results")
-
-
-def _root(version: str | None) -> Path:
-    if version:
-        return staged(version)
-    spec = importlib.util.find_spec("vllm")
-    return Path(next(iter(spec.submodule_search_locations))).parent
-
-
-def _releases():
-    yield pytest.param(None, "0.32", id="0.32-installed")
-    for v in RELEASES:
-        yield pytest.param(v, compat.series(v), id=v)
 
 
 def _gdn_class(root: Path) -> ast.ClassDef:
@@ -76,24 +62,24 @@ def test_selection_and_gate(monkeypatch):
     assert compat.current().series == "0.32"
 
 
-@pytest.mark.parametrize("version,series", list(_releases()))
+@pytest.mark.parametrize("version,series", list(release_params()))
 def test_layer_keywords_are_the_release_constructor(version, series):
     """The one-page layer takes exactly the keywords the release's GDN constructor takes: one
     it lacks fails the model's construction (0.34's NVIDIA Qwen3.5 passes two new ones)."""
     pytest.importorskip("vllm")
-    init = _method(_gdn_class(_root(version)), "__init__")
+    init = _method(_gdn_class(source_root(version)), "__init__")
     names = [a.arg for a in init.args.args[1:]] + [a.arg for a in init.args.kwonlyargs]
     assert names[:2] == ["config", "vllm_config"]
     assert tuple(names[2:]) == BASE_KWARGS + compat.ADAPTERS[series].layer_kwargs
 
 
-@pytest.mark.parametrize("version,series", list(_releases()))
+@pytest.mark.parametrize("version,series", list(release_params()))
 def test_prefill_checkpoint_opt_out_sets_what_the_release_reads(version, series):
     """From 0.33 the layer's `_checkpoint_alignment` (set in its constructor) is what both
     `get_prefill_checkpoint_alignment` and `_exports_checkpoints` read: the one-page opt-out
     sets it to None after vLLM's constructor. 0.32 has no checkpoints: the opt-out is a no-op."""
     pytest.importorskip("vllm")
-    cls = _gdn_class(_root(version))
+    cls = _gdn_class(source_root(version))
     set_in_init = _self_attrs(_method(cls, "__init__"), ast.Store)
     adapter = compat.ADAPTERS[series]
     if series == "0.32":
@@ -143,12 +129,12 @@ def _registry_modules(root: Path) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("version,series", list(_releases()))
+@pytest.mark.parametrize("version,series", list(release_params()))
 def test_model_classes_subclass_what_the_release_registers(version, series):
     """The one-page model classes subclass the class the release's registry serves for each
     architecture (0.34 serves Qwen3.5 from vllm.models.qwen3_5, NVIDIA's on CUDA)."""
     pytest.importorskip("vllm")
-    registered = _registry_modules(_root(version))
+    registered = _registry_modules(source_root(version))
     assert set(registered) == set(ARCH_FAMILY), sorted(set(ARCH_FAMILY) - set(registered))
     modules = compat.ADAPTERS[series].model_modules
     for arch, family in ARCH_FAMILY.items():

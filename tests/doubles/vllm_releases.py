@@ -25,6 +25,27 @@ def _home() -> Path:
     return Path(os.environ.get("R9K_VLLM_RELEASES") or ROOT / ".stage" / "vllm-releases")
 
 
+def source_root(version: str | None) -> Path:
+    """The folder holding `vllm/`: `version`'s staged tree, or the installed vLLM's (None),
+    found without importing it."""
+    if version:
+        return staged(version)
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def release_params():
+    """pytest params (version, series) for every release the per-release checks cover: the
+    installed 0.32 (version None), then the staged ones."""
+    import pytest
+
+    yield pytest.param(None, "0.32", id="0.32-installed")
+    for version in RELEASES:
+        yield pytest.param(version, ".".join(version.split(".")[:2]), id=version)
+
+
 def staged(version: str) -> Path:
     """The folder holding `vllm/` of `version` (staged on first use). Raises RuntimeError naming
     what failed: these checks must not pass by not running."""

@@ -18,22 +18,17 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("run with TRITON_INTERPRET=1")
 
+from r9k import compat  # noqa: E402
 from r9k.kernels import cpu_align  # noqa: E402
 from r9k.kernels._stock_loader import mamba_align_kernels  # noqa: E402
 
 # another release's kernels (R9K_ALIGN_SOURCE: its source tree) against the ports with that
 # release's signatures (R9K_ALIGN_SERIES, from r9k.compat); default: the installed vLLM's
 REF = mamba_align_kernels(os.environ.get("R9K_ALIGN_SOURCE") or None)
-SERIES = os.environ.get("R9K_ALIGN_SERIES")
-if SERIES:
-    from r9k import compat
-
-    _SIGS = compat.ADAPTERS[SERIES].align
-    PORTS = {name.rsplit(".", 1)[1]: fn for name, fn in cpu_align.ports(
-        cpu_align._precopy, cpu_align._boundary, _SIGS.precopy, _SIGS.boundary).items()}
-else:
-    PORTS = {"precopy_mamba_align_fused_kernel": cpu_align.precopy_mamba_align_fused_kernel,
-             "postprocess_mamba_fused_kernel": cpu_align.postprocess_mamba_fused_kernel}
+SERIES = os.environ.get("R9K_ALIGN_SERIES", "0.32")
+_SIGS = compat.ADAPTERS[SERIES].align
+PORTS = {name.rsplit(".", 1)[1]: fn for name, fn in cpu_align.ports(
+    cpu_align._precopy, cpu_align._boundary, _SIGS.precopy, _SIGS.boundary).items()}
 # 0.34: the second seed of every case runs with its ReplaySSM flag set
 FLAGS = SERIES == "0.34"
 

@@ -14,25 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from doubles.vllm_releases import RELEASES, staged
+from doubles.vllm_releases import release_params, source_root, staged
 from r9k import compat
 from r9k.kernels import cpu_align
 
 KERNELS = {"precopy_mamba_align_fused_kernel": "precopy",
            "postprocess_mamba_fused_kernel": "boundary"}
-
-
-def _installed_root() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return Path(next(iter(spec.submodule_search_locations))).parent
-
-
-def _roots():
-    yield pytest.param("0.32", None, id="0.32-installed")
-    for version in RELEASES:
-        yield pytest.param(compat.series(version), version, id=version)
 
 
 def _kernel_params(path: Path) -> dict[str, list[tuple[str, object]]]:
@@ -47,13 +34,12 @@ def _kernel_params(path: Path) -> dict[str, list[tuple[str, object]]]:
     return out
 
 
-@pytest.mark.parametrize("series,root", list(_roots()))
-def test_signatures_are_the_release_kernels(series, root):
+@pytest.mark.parametrize("version,series", list(release_params()))
+def test_signatures_are_the_release_kernels(version, series):
     """A stand-in lacking a parameter the release passes fails its launch (0.34 passes its two
     new flags by keyword); one that renames or reorders binds the wrong bytes."""
     pytest.importorskip("vllm")
-    root = staged(root) if root else _installed_root()
-    kernels = _kernel_params(root / "vllm/v1/worker/mamba_utils.py")
+    kernels = _kernel_params(source_root(version) / "vllm/v1/worker/mamba_utils.py")
     assert set(kernels) == set(KERNELS)
     adapter = compat.for_version(series + ".0")
     for name, attr in KERNELS.items():
@@ -81,15 +67,16 @@ def test_releases_differ_where_the_adapter_says():
         assert new.index(flag) == new.index("TEMPORAL_TILES") - 1
 
 
-@pytest.mark.parametrize("series,root", [p for p in _roots() if p.id != "0.32-installed"])
-def test_cpu_ports_match_the_release_kernels_under_interpreter(series, root):
+@pytest.mark.parametrize("version,series",
+                         [p for p in release_params() if p.id != "0.32-installed"])
+def test_cpu_ports_match_the_release_kernels_under_interpreter(version, series):
     """The same 24 randomized cases as test_cpu_align_interpret.py, against this release's
     Triton source, ports built with this release's signatures; on 0.34 half of them with the
     ReplaySSM flag set (temporal states skipped / copied from column src)."""
     pytest.importorskip("triton")
     pytest.importorskip("vllm")
     script = Path(__file__).with_name("cpu_align_interpret_cases.py")
-    env = dict(os.environ, TRITON_INTERPRET="1", R9K_ALIGN_SOURCE=str(staged(root)),
+    env = dict(os.environ, TRITON_INTERPRET="1", R9K_ALIGN_SOURCE=str(staged(version)),
                R9K_ALIGN_SERIES=series)
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                          timeout=600)
