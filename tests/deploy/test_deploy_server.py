@@ -19,15 +19,15 @@ from r9k.deploy.server import (API_SERVER_MODULE, ApiServerLaunch, ServerError, 
 # A stand-in api_server: logs, starts a child in its group, serves /health, and on SIGINT
 # exits 0 ("graceful") unless told to ignore it.
 STAND_IN = textwrap.dedent("""
-    import http.server, signal, subprocess, sys, threading
+    import http.server, signal, subprocess, sys, threading, time
     port, on_int = int(sys.argv[1]), sys.argv[2]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print(f"stand-in up child {child.pid}", flush=True)
     def on_sigint(*_):
         print("got SIGINT", flush=True)
         child.terminate()
         sys.exit(0)
     signal.signal(signal.SIGINT, on_sigint if on_int == "exit" else signal.SIG_IGN)
+    print(f"stand-in up child {child.pid}", flush=True)  # after the handler: the tests signal now
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404)
@@ -37,7 +37,10 @@ STAND_IN = textwrap.dedent("""
     if port:
         threading.Thread(target=http.server.HTTPServer(("127.0.0.1", port), H).serve_forever,
                          daemon=True).start()
-    signal.pause() if on_int == "exit" else [signal.pause() for _ in iter(int, 1)]
+    # a short sleep, not signal.pause(): a signal landing between Python's check and pause()
+    # would wait for another signal (a stopped-then-continued stand-in hung until SIGKILL)
+    while True:
+        time.sleep(0.05)
 """)
 
 
