@@ -54,8 +54,11 @@ def _scratch_index_rows(n: int, width: int, device) -> tuple[torch.Tensor, torch
 
 
 def _spec_op():
-    import vllm._custom_ops as ops
+    import importlib
 
+    from r9k import compat
+
+    ops = importlib.import_module(compat.current().cpu.ops_module)
     return ops.fused_sigmoid_gating_delta_rule_update_spec_cpu
 
 

@@ -14,6 +14,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as stock_cpu
 from vllm.utils.torch_utils import _resolve_layer_name, direct_register_custom_op
 
+from r9k import compat
 from r9k.page_layout import FLAG_COUNT
 from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
@@ -131,8 +132,9 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
     seq_lens = qsl[1:] - qsl[:-1]
     dim = x.size(-1)
     uniform = n > 0 and bool(torch.all(seq_lens == seq_lens[0])) and int(seq_lens[0]) > 0
+    cpu = compat.current().cpu
     if ((torch.cpu._is_amx_tile_supported() or stock_cpu.is_arm_bf16()) and width == 4
-            and uniform):
+            and uniform and cpu.native_conv(int(seq_lens[0]), state_len, width)):
         q_i = int(seq_lens[0])
         return stock_cpu._causal_conv1d_update_cpu(
             x=x.view(n, q_i, dim), conv_states=conv_buf, weight=layer.conv1d.weight,
@@ -144,13 +146,16 @@ def _conv_update(layer, x, conv_buf, pages, qsl, num_accepted, width) -> torch.T
         q = int(seq_lens[0])
         if (q <= state_len and bool((pages != NULL_PAGE).all())
                 and bool(((num_accepted >= 1) & (num_accepted <= q)).all())):
-            return _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q)
-    return _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w)
+            return _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q,
+                                        cpu.rolled)
+    return _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w,
+                             cpu.write_back)
 
 
-def _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w) -> torch.Tensor:
-    """vLLM's CPU `_spec_forward` conv loop (no AMX), one sequence at a time."""
-    state_len = conv_buf.size(-1)
+def _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w,
+                      write_back) -> torch.Tensor:
+    """vLLM's CPU `_spec_forward` conv loop (no AMX), one sequence at a time; the buffer
+    written back as the release does (`r9k.compat.cpu_layer`)."""
     n = pages.numel()
     seq_lens = qsl[1:] - qsl[:-1]
     dim = x.size(-1)
@@ -167,18 +172,18 @@ def _conv_update_loop(layer, x, conv_buf, pages, qsl, num_accepted, width, w) ->
         if layer.activation == "silu":
             y = F.silu(y)
         out[start:start + q_i] = y.transpose(0, 1).to(out.dtype)
-        buf.copy_(torch.cat([buf[:, offset + 1: offset + 1 + state_len - q_i], x_seq], dim=-1))
+        write_back(buf, conv_in[0], offset, q_i, width)
     return out
 
 
-def _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q) -> torch.Tensor:
+def _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q,
+                         rolled) -> torch.Tensor:
     """`_conv_update_loop` for a batch of q rows per sequence, in a few batched ops: the same
     windows, one depthwise conv1d over the batch (per-sample arithmetic, so each sequence's
     outputs are the per-sequence call's bits), SiLU per sequence (a tensor of exactly the
     per-sequence call's shape: the elementwise kernel's vector/scalar split is the same), the
-    same rolled buffer. Pages are distinct (each running request owns its page)."""
+    buffer the release writes back (`rolled`). Pages are distinct (each running request owns its page)."""
     n, dim = pages.numel(), x.size(-1)
-    state_len = conv_buf.size(-1)
     pages_l = pages.long()
     bufs = conv_buf.index_select(0, pages_l)  # [n, dim, state_len]
     offset = num_accepted.long() - 1
@@ -188,11 +193,10 @@ def _conv_update_batched(layer, x, conv_buf, pages, num_accepted, width, w, q) -
         pos = start[:, None] + torch.arange(count, device=x.device)
         return bufs.gather(2, pos[:, None, :].expand(n, dim, count))
 
-    y = F.conv1d(torch.cat([columns(offset, width - 1), x_seq], dim=-1), w, layer.conv1d.bias,
-                 groups=dim)  # [n, dim, q]
+    window = torch.cat([columns(offset, width - 1), x_seq], dim=-1)  # [n, dim, width - 1 + q]
+    y = F.conv1d(window, w, layer.conv1d.bias, groups=dim)  # [n, dim, q]
     if layer.activation == "silu":
         for y_i in y:
             F.silu(y_i, inplace=True)
-    conv_buf.index_copy_(0, pages_l,
-                         torch.cat([columns(offset + 1, state_len - q), x_seq], dim=-1))
+    conv_buf.index_copy_(0, pages_l, rolled(bufs, window, columns, offset, q, width))
     return y.transpose(1, 2).reshape(n * q, dim).to(x.dtype)

@@ -3,7 +3,8 @@
 One module per difference (`align_kernels`: the align copy kernels' signatures;
 `metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups; `layer_init`: the GDN
 layer's constructor keywords and prefill checkpoints; `model_modules`: where the registry takes
-the stock model classes from), one `Adapter` per
+the stock model classes from; `cpu_layer`: vLLM's CPU spec conv and where its CPU op lives), one
+`Adapter` per
 release built from them, chosen once at registration (`select`) and read by the layer and the
 hooks through `current()`; no version test anywhere else. A release serves one-page pages only
 when the GPU engine harness has proven it there (`proven`); otherwise stock pages, with the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from r9k.compat import align_kernels, layer_init, metadata_sharing, model_modules
+from r9k.compat import align_kernels, cpu_layer, layer_init, metadata_sharing, model_modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Adapter:
     layer_kwargs: tuple[str, ...]             # GDN constructor keywords past 0.32's
     no_prefill_checkpoints: Callable[..., None]  # (one-page layer) -> None
     model_modules: dict[str, str]             # family -> module of vLLM's stock classes
+    cpu: cpu_layer.CpuLayer
     proven: bool                # one-page identity and KV == planner on this release's engine
     unproven_why: str = ""
 
@@ -32,14 +34,14 @@ class Adapter:
 ADAPTERS = {
     "0.32": Adapter("0.32", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
                     layer_init.no_prefill_checkpoints_032, model_modules.MODULES_032,
-                    proven=True),
+                    cpu_layer.V032, proven=True),
     # 0.33: the align kernels and the V2 sharing test are 0.32's (mamba_utils.py byte-identical)
     "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_032,
-                    proven=False, unproven_why="one-page not yet proven on its GPU engine"),
+                    cpu_layer.V033, proven=False, unproven_why="one-page not yet proven on its GPU engine"),
     "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, layer_init.KWARGS_034,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_034,
-                    proven=False,
+                    cpu_layer.V034, proven=False,
                     unproven_why="one-page not yet proven on its GPU engine (its CPU layer is "
                                  "not adapted: vLLM 0.34 on CPUs needs triton-cpu)"),
 }
