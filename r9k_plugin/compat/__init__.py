@@ -42,8 +42,8 @@ ADAPTERS = {
     "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, layer_init.KWARGS_034,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_034,
                     cpu_layer.V034, proven=False,
-                    unproven_why="one-page not yet proven on its GPU engine (its CPU layer is "
-                                 "not adapted: vLLM 0.34 on CPUs needs triton-cpu)"),
+                    unproven_why="one-page not yet proven on its GPU engine (and no CPU engine: "
+                                 "vLLM 0.34 on x86 CPUs needs triton-cpu)"),
 }
 
 
