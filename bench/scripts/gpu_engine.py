@@ -489,11 +489,36 @@ def stage(args: argparse.Namespace) -> None:
 
 # --- the GPU side ----------------------------------------------------------------------------------
 
+# (file, text, replacement, why): each must match exactly once where its file has the text's
+# first line; the FlashAttention one everywhere
 FA_SHIM = ("vllm/vllm_flash_attn/__init__.py",
            '''if not (FA2_AVAILABLE or FA3_AVAILABLE):
     raise ImportError(''',
            '''if False:  # r9k gpu_engine staging: FlashAttention's extensions are not taken along
-    raise ImportError(''')
+    raise ImportError(''',
+           "imports without FlashAttention's extensions (TRITON_ATTN is used)")
+# 0.34 warms MiniMax-M3's MSA kernels on every CUDA engine; their modules import the CuTe DSL
+# (`cutlass`, nvidia-cutlass-dsl), which the GPU image lacks. The warmup only touches
+# MiniMax-M3 layers: none here.
+MSA_WARMUP_SHIM = ("vllm/model_executor/warmup/kernel_warmup.py",
+                   '''    if current_platform.is_cuda():
+        # The MSA kernels, and the CuTe DSL their modules import, are CUDA-only.''',
+                   '''    if False:  # r9k gpu_engine staging: no CuTe DSL here, no MiniMax-M3 layer
+        # The MSA kernels, and the CuTe DSL their modules import, are CUDA-only.''',
+                   "skips MiniMax-M3's MSA warmup (no CuTe DSL on this image; no such layer)")
+SHIMS = (FA_SHIM, MSA_WARMUP_SHIM)
+
+
+def apply_shims(site: pathlib.Path, log) -> None:
+    for rel, old, new, what in SHIMS:
+        path = site / rel
+        text = path.read_text()
+        if rel != FA_SHIM[0] and old.splitlines()[0] not in text:
+            continue  # not this release's code
+        if text.count(old) != 1:
+            raise SystemExit(f"{rel}: the text the shim replaces is not there exactly once")
+        path.write_text(text.replace(old, new))
+        log(f"shim: {rel} {what}")
 
 
 def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
@@ -524,13 +549,7 @@ def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
     for f in sorted((stage_dir / "so").glob("*.so.xz")):
         with lzma.open(f) as src, open(site / "vllm" / f.name[:-3], "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 24)
-    rel, old, new = FA_SHIM
-    path = site / rel
-    text = path.read_text()
-    if text.count(old) != 1:
-        raise SystemExit(f"{rel}: the text the shim replaces is not there exactly once")
-    path.write_text(text.replace(old, new))
-    log(f"shim: {rel} imports without FlashAttention's extensions (TRITON_ATTN is used)")
+    apply_shims(site, log)
 
 
 def restore_caches(stage_dir: pathlib.Path, log) -> None:
