@@ -239,7 +239,8 @@ def _engine_facts(cfg) -> dict[str, Any]:
     cc = cfg.compilation_config
     return {
         "device_type": cfg.device_config.device_type,
-        "use_v2_model_runner": bool(getattr(cfg, "use_v2_model_runner", False)),
+        # 0.34 removed the field with V1: V2 is then the only runner
+        "use_v2_model_runner": bool(getattr(cfg, "use_v2_model_runner", True)),
         "compilation_mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode),
         "mamba_cache_mode": str(cfg.cache_config.mamba_cache_mode),
         "mamba_ssm_cache_dtype": str(cfg.cache_config.mamba_ssm_cache_dtype),
