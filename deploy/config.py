@@ -209,6 +209,9 @@ class HealthSpec(_Strict):
 
 class FleetConfig(_Strict):
     platform: Literal["gpu", "cpu"] = "gpu"
+    # the vLLM release series the hosts run: the planner's block alignment follows it (0.34's
+    # default block is 64 tokens) and each replica's proof checks it
+    vllm: Literal["0.32", "0.33", "0.34"] = "0.32"
     ray: RaySpec = RaySpec()
     entry: EntrySpec = EntrySpec()
     exporter: Union[ExporterSpec, None] = ExporterSpec()
@@ -332,7 +335,7 @@ def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
             shape = capacity.HybridModelShape.from_path(path)
             capacity.validate(shape, tp=m.tp, num_spec=m.num_spec, kv_bytes_per_rank=m.kv_cache_memory_bytes,
                               max_model_len=m.max_model_len, platform=cfg.platform,
-                              state_dtype=m.state_dtype, running=0)
+                              state_dtype=m.state_dtype, running=0, vllm=cfg.vllm)
         except capacity.CapacityInputError as exc:
             raise FleetConfigError(f"{source}: models.{m.name}: {exc}") from None
 

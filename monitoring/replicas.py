@@ -39,6 +39,15 @@ DEFAULT_BUDGET_S = 5.0
 MAX_PARALLEL_READS = 64  # replicas are read all at once up to this many; the rest queue
 
 
+def _series(plugin: dict | None) -> str:
+    """The release series a replica's plugin reports (its block alignment); the planner's
+    default when it reports none or one the planner does not know."""
+    try:
+        return capacity.series_of(str((plugin or {}).get("vllm_version") or ""))
+    except capacity.CapacityInputError:
+        return capacity.VLLM_SERIES
+
+
 class ReplicaSpecError(ValueError):
     """A --replica value that cannot be used; the message says what was expected."""
 
@@ -188,7 +197,8 @@ class ReplicaCollector:
         shape = self._shape(desc) if need_shape else None
         if reading.layout is None and shape is not None:
             reading.layout = self._capacity_layout(shape, desc, reading.page_mode,
-                                                   metrics.cache_mode == "align")
+                                                   metrics.cache_mode == "align",
+                                                   _series(metrics.plugin))
         if reading.layout is not None and metrics.num_blocks and metrics.running is not None:
             lay = reading.layout
             reading.pinned = capacity.pinned_fraction(
@@ -199,7 +209,8 @@ class ReplicaCollector:
         if shape is not None and metrics.num_blocks:
             reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks,
                                                             metrics.ssm_state_dtype,
-                                                            metrics.cache_mode == "align")
+                                                            metrics.cache_mode == "align",
+                                                            _series(metrics.plugin))
         return reading
 
     def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
@@ -261,7 +272,8 @@ class ReplicaCollector:
         return value if isinstance(value, int) and value > 0 else None
 
     def _capacity_layout(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
-                         page_mode: str, prefix_caching: bool = False) -> Layout | None:
+                         page_mode: str, prefix_caching: bool = False,
+                         vllm: str = capacity.VLLM_SERIES) -> Layout | None:
         try:
             capacity.validate(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=1,
                               max_model_len=1, platform=desc.platform, state_dtype=None, running=0)
@@ -272,14 +284,15 @@ class ReplicaCollector:
         pool = capacity.plan_pool(shape, tp=desc.tp, num_spec=desc.num_spec, kv_bytes_per_rank=0,
                                   max_model_len=1, platform=desc.platform,
                                   onepage=page_mode == "onepage", running=0,
-                                  prefix_caching=prefix_caching)
+                                  prefix_caching=prefix_caching, vllm=vllm)
         return Layout(page_mode, pool.num_gdn_groups, pool.num_attention_groups,
                       pool.gdn_pages_per_request, "capacity", pool.num_ple_groups,
                       pool.ple_pages_per_request)
 
     def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
                          page_mode: str, num_blocks: int, state_dtype: str | None = None,
-                         prefix_caching: bool = False) -> dict[str, int] | None:
+                         prefix_caching: bool = False,
+                         vllm: str = capacity.VLLM_SERIES) -> dict[str, int] | None:
         max_len = self._max_model_len(desc)
         if max_len is None:
             return None
@@ -287,7 +300,7 @@ class ReplicaCollector:
             result = capacity.live_plan(shape, num_blocks=num_blocks, tp=desc.tp, num_spec=desc.num_spec,
                                         onepage=page_mode == "onepage", max_model_len=max_len,
                                         platform=desc.platform, state_dtype=state_dtype,
-                                        prefix_caching=prefix_caching)
+                                        prefix_caching=prefix_caching, vllm=vllm)
         except capacity.CapacityInputError:
             self._count("model_config")
             return None

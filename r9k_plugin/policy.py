@@ -237,6 +237,7 @@ def page_mode(vllm_config: Any) -> PageMode:
         pool = capacity.plan_pool(shape, tp=tp, num_spec=num_spec, kv_bytes_per_rank=0,
                                   max_model_len=1, platform=platform, onepage=onepage,
                                   state_dtype=state_dtype, running=0,
+                                  vllm=capacity.series_of(vllm.__version__),
                                   prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
         groups = (pool.num_gdn_groups, pool.num_attention_groups, pool.gdn_pages_per_request,
                   pool.num_ple_groups, pool.ple_pages_per_request)

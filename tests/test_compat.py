@@ -38,8 +38,10 @@ def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkey
     import dataclasses
 
     monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
-    monkeypatch.setitem(compat.ADAPTERS, "0.34", dataclasses.replace(
-        compat.ADAPTERS["0.34"], proven=False, unproven_why="one-page not yet proven"))
+    for s in ("0.33", "0.34"):
+        monkeypatch.setitem(compat.ADAPTERS, s, dataclasses.replace(
+            compat.ADAPTERS[s], proven=False, unproven_why="one-page not yet proven"))
+    assert vllm_version_reason("0.33.2") == "vLLM 0.33.2: one-page not yet proven"
     assert vllm_version_reason("0.34.0") == "vLLM 0.34.0: one-page not yet proven"
     monkeypatch.setenv("R9K_VLLM_UNPROVEN", "allow")
     assert vllm_version_reason("0.34.0") is None and vllm_version_reason("0.33.2") is None
@@ -169,7 +171,8 @@ def test_planner_refuses_unknown_release_and_cpu_past_032():
 
     shape = cap.preset("flash-next")
     kw = dict(tp=4, num_spec=3, kv_bytes_per_rank=20 << 30, max_model_len=65536)
-    assert cap.plan(shape, vllm="0.34", **kw).stock.attention_block_size % 64 == 0
+    blocks = {v: cap.plan(shape, vllm=v, **kw).stock.attention_block_size for v in ("0.32", "0.34")}
+    assert blocks == {"0.32": 288, "0.34": 320}  # 18 x 16 and 5 x 64 tokens
     with pytest.raises(cap.CapacityInputError, match="--vllm 0.35: expected one of"):
         cap.plan(shape, vllm="0.35", **kw)
     with pytest.raises(cap.CapacityInputError, match="published for 0.32 only"):

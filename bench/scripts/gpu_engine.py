@@ -145,9 +145,18 @@ def platform() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-# the release series the planner describes: the vLLM this run serves (set by `run`); 0.34's
-# default cache block of 64 tokens moves every block size
+# the release series the planner describes: the vLLM this run serves (`set_planner_vllm`, once
+# the staged vLLM's version is known); 0.34's default cache block of 64 tokens moves every block
 PLANNER_VLLM = ["0.32"]
+
+
+def set_planner_vllm(version: str) -> None:
+    from r9k import capacity as cap
+
+    try:
+        PLANNER_VLLM[0] = cap.series_of(version)
+    except cap.CapacityInputError as exc:
+        raise SystemExit(f"the planner cannot describe this run: {exc}") from None
 
 
 # KV budgets, in max_model_len requests stock pages hold: "small" makes the crowd scenario
@@ -519,8 +528,8 @@ def apply_shims(site: pathlib.Path, log) -> None:
     for rel, old, new, what in SHIMS:
         path = site / rel
         text = path.read_text()
-        if rel != FA_SHIM[0] and old.splitlines()[0] not in text:
-            continue  # not this release's code
+        if rel != FA_SHIM[0] and old.splitlines()[-1] not in text:
+            continue  # not this release's code (keyed on the shim's most specific line)
         if text.count(old) != 1:
             raise SystemExit(f"{rel}: the text the shim replaces is not there exactly once")
         path.write_text(text.replace(old, new))
@@ -643,9 +652,7 @@ def run(args: argparse.Namespace) -> int:
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "repeat": args.repeat}
     log(f"versions {meta}")
-    from r9k.compat import series
-
-    PLANNER_VLLM[0] = series(meta["vllm"])
+    set_planner_vllm(meta["vllm"])
     cells = runnable_cells(PLANS[args.plan](), meta["vllm"], log)
     if args.cells:
         wanted = set(args.cells.split(","))

@@ -70,6 +70,7 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
         try:
             plan = cap.plan(shape, tp=1, num_spec=k, kv_bytes_per_rank=mib * MIB,
                             max_model_len=max_model_len, platform=ge.platform(),
+                            vllm=ge.PLANNER_VLLM[0],
                             state_dtype="float32", prefix_caching=prefix_caching)
         except cap.CapacityInputError:  # not one request yet: more memory
             continue
@@ -148,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
     scenarios = loads(sweep, args.prompt_tokens, args.output_tokens, args.requests_per_point)
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
+    versions = ge.versions()
+    ge.set_planner_vllm(versions["vllm"])
     kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
-    meta = {**ge.versions(), "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
+    meta = {**versions, "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
             "model_sets": sets, "k": args.k, "prefix_caching": not args.no_prefix_caching,
             "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,
             "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,

