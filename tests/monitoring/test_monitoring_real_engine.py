@@ -76,22 +76,23 @@ def test_real_engine_replica(tmp_path):
                                         daemon=True) for _ in range(3)]
             for c in clients:
                 c.start()
-            api.wait("requests running on the engine",
-                     lambda: api.query('r9k_replica_requests_running{replica="cpu0"} >= 2'),
-                     timeout_s=60)
+            # The checks read the scrapes taken while the requests ran, not the latest one: on a
+            # loaded 2-core host this process (the exporter's too) can be starved for seconds, and
+            # CI once polled only after the requests had ended ("last []").
+            api.wait("requests running on the engine", lambda: api.query(
+                'max_over_time(r9k_replica_requests_running{replica="cpu0"}[10m]) >= 2'),
+                timeout_s=120)
             # one scrape gives both numbers: pinned share per running request, as planned
             per_request = capacity.pinned_fraction(
                 1, num_blocks=plan.onepage.num_blocks, num_gdn_groups=plan.onepage.num_gdn_groups,
                 num_attention_groups=plan.onepage.num_attention_groups, gdn_pages_per_request=1)
-
-            def ratio_while_running():
-                res = api.query('sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
-                                '(sum(r9k_replica_requests_running{replica="cpu0"}) > 0)')
-                return float(res[0]["value"][1]) if res else None
-
-            ratio = api.wait("the pinned share while requests run", ratio_while_running,
-                             timeout_s=60)
-            assert ratio == pytest.approx(per_request["total"])
+            per_running = ('(sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
+                           '(sum(r9k_replica_requests_running{replica="cpu0"}) > 0))[10m:1s]')
+            # (a subquery's steps lie on whole seconds: the scrape just seen may be past the last)
+            api.wait("the pinned share of a scrape that saw requests running",
+                     lambda: api.query(f"max_over_time({per_running})"), timeout_s=30)
+            ratios = [api.value(f"{agg}_over_time({per_running})") for agg in ("min", "max")]
+            assert ratios == [pytest.approx(per_request["total"])] * 2, (ratios, per_request)
             # Prometheus scrapes vLLM directly too, on its own schedule: wait for a scrape that
             # saw the requests running (a one-shot read raced it: baseline CI failed on it)
             api.wait("vLLM's own running gauge scraped while requests run", lambda: api.value(
