@@ -480,16 +480,9 @@ def capacity_block(model_dir: Path, *, num_spec: int, kv_bytes: int, max_model_l
             "planner_ratio": p.ratio, "num_blocks": {"stock": p.stock.num_blocks,
                                                      "onepage": p.onepage.num_blocks},
             "max_concurrency": {m: pool.max_concurrency for m, pool in pools.items()},
-            "requests_fit": {m: requests_fit(pool) for m, pool in pools.items()},
+            "requests_fit": {m: pool.whole_requests for m, pool in pools.items()},
             "max_num_seqs": max_num_seqs,
             "pinned_fraction_by_concurrency": pinned, "plan": p.public()}
-
-
-def requests_fit(pool: cap.PoolPlan) -> int:
-    """Whole requests of max_model_len the engine runs at once: the planner's max_concurrency
-    (num_blocks / blocks_per_request, as vLLM logs it) counts vLLM's null block, which no request
-    gets (the planner's `starts` leaves it out too), and admits whole requests only."""
-    return (pool.num_blocks - 1) // pool.blocks_per_request
 
 
 def expected_running(capb: dict[str, Any], mode: str, concurrency: int) -> int:

@@ -83,14 +83,28 @@ def fleet() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the validated fleet as JSON")
 def check(config: str, as_json: bool) -> None:
     """Validate a fleet file (schema, model paths, ports, cards in the file's inventory)."""
+    from r9k.deploy.config import max_num_seqs, planned_pool
+
     cfg = _load(config)
     replicas = sum(m.replicas for m in cfg.models)
     cards = sum(m.replicas * m.tp for m in cfg.models)
+    # what each page mode's replicas are launched with (--max-num-seqs; None: vLLM's default)
+    seqs = {m.name: {mode: max_num_seqs(m, planned_pool(m, cfg) if m.max_num_seqs == "planner"
+                                        else None, mode)
+                     for mode in dict.fromkeys(m.gdn_state_per_replica or [m.gdn_state])}
+            for m in cfg.models}
     if as_json:
         click.echo(json.dumps({"ok": True, "config": config, "replicas": replicas, "cards": cards,
-                               "fleet": cfg.model_dump(mode="json")}, indent=1))
+                               "max_num_seqs": seqs, "fleet": cfg.model_dump(mode="json")},
+                              indent=1))
         return
     click.echo(f"{config}: ok ({replicas} replicas, {cards} cards)")
+    for m in cfg.models:
+        if m.max_num_seqs is not None:
+            counts = ", ".join(f"{mode} {n}" for mode, n in seqs[m.name].items())
+            click.echo(f"  {m.name}: max_num_seqs {counts}"
+                       + (" (the planner's whole requests of max_model_len)"
+                          if m.max_num_seqs == "planner" else ""))
 
 
 @fleet.command()

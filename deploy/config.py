@@ -67,6 +67,10 @@ class ModelSpec(_Strict):
     state_dtype: Union[Literal["float32", "bfloat16"], None] = None  # --mamba-ssm-cache-dtype
     # vLLM's default for hybrids, on (one-page serves it); false: --no-enable-prefix-caching
     prefix_caching: StrictBool = True
+    # vLLM's max_num_seqs. None: vLLM's default (it admits what fits now and preempts requests as
+    # they grow); "planner": the whole requests of max_model_len the replica's pool holds in its
+    # page mode (capacity.PoolPlan.whole_requests): no preemption by growth
+    max_num_seqs: Union[StrictInt, Literal["planner"], None] = None
     extra_args: list[StrictStr] = []
     env: dict[StrictStr, StrictStr] = {}
 
@@ -76,6 +80,13 @@ class ModelSpec(_Strict):
         if value not in capacity.TP_SIZES:
             raise ValueError(f"expected a tensor-parallel size of "
                              f"{', '.join(map(str, capacity.TP_SIZES))}, got {value}")
+        return value
+
+    @field_validator("max_num_seqs")
+    @classmethod
+    def _max_num_seqs(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("expected a count >= 1 or \"planner\"")
         return value
 
     @field_validator("extra_args")
@@ -103,6 +114,10 @@ class ModelSpec(_Strict):
         if per is not None and len(per) != self.replicas:
             raise ValueError(f"gdn_state_per_replica lists {len(per)} page modes for "
                              f"{self.replicas} replicas; expected one per replica")
+        if self.max_num_seqs is not None and any(
+                a.split("=", 1)[0] == "--max-num-seqs" for a in split_args(self.extra_args)):
+            raise ValueError("max_num_seqs is given twice: as the field and as --max-num-seqs in "
+                             "extra_args; keep one")
         if "onepage" in (per or [self.gdn_state]) and self.speculative is None:
             raise ValueError("gdn_state onepage needs speculative decoding (speculative: {method, k}); "
                              "without it one page is all stock keeps, use gdn_state: stock")
@@ -322,6 +337,34 @@ def _check_consistency(cfg: FleetConfig, source: str) -> None:
                 raise FleetConfigError(f"{source}: models.{m.name}.env: {key!r} is not a variable name")
 
 
+def planned_pool(model: ModelSpec, cfg: FleetConfig,
+                 shape: capacity.HybridModelShape | None = None) -> capacity.CapacityPlan:
+    """Both page modes' pools for a model's replicas, as its engines are launched."""
+    if shape is None:
+        shape = capacity.HybridModelShape.from_path(model.resolved_path(cfg.base_dir))
+    return capacity.plan(shape, tp=model.tp, num_spec=model.num_spec,
+                         kv_bytes_per_rank=model.kv_cache_memory_bytes,
+                         max_model_len=model.max_model_len, platform=cfg.platform,
+                         state_dtype=model.state_dtype, running=0,
+                         prefix_caching=model.prefix_caching,  # as engine_argv runs it
+                         vllm=cfg.vllm)
+
+
+def max_num_seqs(model: ModelSpec, plan: capacity.CapacityPlan, mode: str) -> int | None:
+    """A replica's `--max-num-seqs` in page mode `mode`: the model's count, or with "planner"
+    the whole requests of max_model_len its pool holds (`plan`: `planned_pool`); None leaves
+    vLLM's default."""
+    if model.max_num_seqs != "planner":
+        return model.max_num_seqs
+    pool = plan.onepage if mode == "onepage" else plan.stock
+    if pool.whole_requests < 1:
+        raise ValueError(f"max_num_seqs planner: the {mode} pool of {model.kv_cache_memory_bytes} "
+                         f"B per rank holds no whole request of {model.max_model_len} tokens "
+                         f"({pool.num_blocks} blocks, {pool.blocks_per_request} per request); "
+                         "expected more memory or a shorter max_model_len")
+    return pool.whole_requests
+
+
 def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
     """Every model path is a directory with a config.json the capacity module can read."""
 
@@ -332,12 +375,14 @@ def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
                                    "expected a local model directory present on every host "
                                    "(the tiny test model: r9k model make-tiny PATH)")
         try:
-            shape = capacity.HybridModelShape.from_path(path)
-            capacity.validate(shape, tp=m.tp, num_spec=m.num_spec, kv_bytes_per_rank=m.kv_cache_memory_bytes,
-                              max_model_len=m.max_model_len, platform=cfg.platform,
-                              state_dtype=m.state_dtype, running=0, vllm=cfg.vllm)
+            plan = planned_pool(m, cfg, capacity.HybridModelShape.from_path(path))
         except capacity.CapacityInputError as exc:
             raise FleetConfigError(f"{source}: models.{m.name}: {exc}") from None
+        for mode in dict.fromkeys(m.gdn_state_per_replica or [m.gdn_state]):
+            try:
+                max_num_seqs(m, plan, mode)
+            except ValueError as exc:
+                raise FleetConfigError(f"{source}: models.{m.name}.{exc}") from None
 
 
 def load_fleet(path: str | os.PathLike) -> FleetConfig:

@@ -20,8 +20,8 @@ import aiohttp
 
 from r9k.deploy import ray_backend
 from r9k.deploy.adoption import SUPERVISOR_TIMEOUT_S, adoptable
-from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec
-from r9k.deploy.engine import launch_spec, planned_pool, prove_pages, rccl_env
+from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec, planned_pool
+from r9k.deploy.engine import launch_spec, prove_pages, rccl_env
 from r9k.deploy.exporter_sidecar import ExporterSidecar
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
 from r9k.deploy.routing import EngineLoad

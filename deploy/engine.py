@@ -15,7 +15,7 @@ import json
 from r9k import capacity
 from r9k.fleet_status import PageProof  # the proof's type (the fleet status carries it)
 from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, HostSpec,
-                               ModelSpec, split_args)
+                               ModelSpec, max_num_seqs, planned_pool, split_args)
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
@@ -24,13 +24,17 @@ from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
 
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     spec = model.speculative
+    plan = planned_pool(model, cfg) if model.max_num_seqs == "planner" else None
+    seqs = max_num_seqs(model, plan, model.gdn_state)
     return api_server_argv(
         model.resolved_path(cfg.base_dir), model.name, host, port, tp=model.tp,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=model.kv_cache_memory_bytes,
         num_spec=spec.k if spec else 0, spec_method=spec.method if spec else None,
         # None: vLLM's default for hybrids, on (one-page serves it: align)
         prefix_caching=None if model.prefix_caching else False,
-        state_dtype=model.state_dtype, extra_args=split_args(model.extra_args))
+        state_dtype=model.state_dtype,
+        extra_args=(["--max-num-seqs", str(seqs)] if seqs is not None else [])
+        + split_args(model.extra_args))
 
 
 def rccl_env(model: ModelSpec, cfg: FleetConfig) -> dict[str, str]:
@@ -79,16 +83,6 @@ def launch_spec(model: ModelSpec, cfg: FleetConfig, assignment: Assignment, host
     digest = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
     return argv, env, {"host": assignment.host, "cards": list(assignment.cards),
                        "cpu_bind": assignment.cpu_bind, "model": model.name, "launch": digest}
-
-
-def planned_pool(model: ModelSpec, cfg: FleetConfig) -> capacity.CapacityPlan:
-    shape = capacity.HybridModelShape.from_path(model.resolved_path(cfg.base_dir))
-    return capacity.plan(shape, tp=model.tp, num_spec=model.num_spec,
-                         kv_bytes_per_rank=model.kv_cache_memory_bytes,
-                         max_model_len=model.max_model_len, platform=cfg.platform,
-                         state_dtype=model.state_dtype, running=0,
-                         prefix_caching=model.prefix_caching,  # as engine_argv runs it
-                         vllm=cfg.vllm)
 
 
 def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> PageProof:

@@ -364,6 +364,8 @@ class PoolPlan:
     starts: bool                    # vLLM starts: the pool less its null block holds one
                                     # request at max_model_len (else it stops at start)
     max_concurrency: float
+    whole_requests: int             # requests of max_model_len that run at once: free blocks
+                                    # (less vLLM's null block) // blocks_per_request
     running: int
     pinned_blocks: int              # blocks `running` requests hold before any context
     pinned_fraction: float          # pinned_blocks / num_blocks (may exceed 1: does not fit)
@@ -578,6 +580,7 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
         tokens=int(concurrency * max_model_len),
         starts=num_blocks - 1 >= blocks_per_request,
         max_concurrency=concurrency,
+        whole_requests=max(0, num_blocks - 1) // blocks_per_request,
         running=running,
         pinned_blocks=pinned,
         pinned_fraction=pinned / num_blocks if num_blocks else math.inf,

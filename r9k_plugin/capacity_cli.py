@@ -91,6 +91,7 @@ def format_table(r: cap.CapacityPlan) -> str:
         ("blocks per request", r.stock.blocks_per_request, r.onepage.blocks_per_request),
         ("KV cache tokens", f"{r.stock.tokens:,}", f"{r.onepage.tokens:,}"),
         ("max concurrency", f"{r.stock.max_concurrency:.2f}x", f"{r.onepage.max_concurrency:.2f}x"),
+        ("whole requests at once", r.stock.whole_requests, r.onepage.whole_requests),
         (f"pool pinned by {r.stock.running} running", f"{r.stock.pinned_fraction:.1%}",
          f"{r.onepage.pinned_fraction:.1%}"),
     ]

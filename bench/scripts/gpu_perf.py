@@ -74,10 +74,10 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
                             state_dtype="float32", prefix_caching=prefix_caching)
         except cap.CapacityInputError:  # not one request yet: more memory
             continue
-        if plan.stock.num_blocks >= STOCK_REQUESTS * plan.stock.blocks_per_request:
+        if plan.stock.whole_requests >= STOCK_REQUESTS:
             return mib * MIB, {m: {"tokens": p.tokens, "num_blocks": p.num_blocks,
                                    "blocks_per_request": p.blocks_per_request,
-                                   "whole_requests": p.num_blocks // p.blocks_per_request,
+                                   "whole_requests": p.whole_requests,
                                    "block": p.attention_block_size}
                                for m, p in (("stock", plan.stock), ("onepage", plan.onepage))}
     raise ValueError("no pool under 64 GiB")

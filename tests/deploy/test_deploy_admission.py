@@ -1,0 +1,123 @@
+"""Admission by the planner (issue 26, "never more preemptions"): a model's `max_num_seqs:
+planner` launches each replica with `--max-num-seqs` = the whole requests of max_model_len its
+pool holds in its own page mode (`capacity.PoolPlan.whole_requests`); counts and vLLM's default
+stay as they were; bad values and a second spelling are refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from r9k import capacity
+from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet, planned_pool
+from r9k.deploy.engine import engine_argv
+
+from test_deploy_config import fleet_text, refused
+
+MODEL = {"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}
+
+
+def _seqs(argv: list[str]) -> int | None:
+    hits = [i for i, a in enumerate(argv) if a == "--max-num-seqs"]
+    assert len(hits) <= 1, argv
+    return int(argv[hits[0] + 1]) if hits else None
+
+
+def _tiny_fleet(tmp_path, **model) -> "FleetConfig":  # noqa: F821
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny")
+    doc = {"platform": "cpu", "entry": {"port": 8000}, "exporter": None,
+           "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"},
+                                                 {"bdf": "0000:c2:00.0", "cpu_bind": "1"}]}],
+           "models": [{"name": "tiny", "path": str(tmp_path / "tiny"), "max_model_len": 4096,
+                       "kv_cache_memory_bytes": 64 << 20, "state_dtype": "float32", **model}]}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps(doc))
+    return load_fleet(path)
+
+
+def test_the_planner_admits_each_page_modes_whole_requests(tmp_path):
+    cfg = _tiny_fleet(tmp_path, replicas=2, max_num_seqs="planner",
+                      gdn_state_per_replica=["stock", "onepage"])
+    m = cfg.models[0]
+    plan = planned_pool(m, cfg)
+    # the pool's free blocks (less the null block) over the blocks one request of max_model_len
+    # takes, per mode: one-page admits more because its requests pin fewer GDN pages
+    for pool in (plan.stock, plan.onepage):
+        assert pool.whole_requests == (pool.num_blocks - 1) // pool.blocks_per_request
+    assert plan.onepage.whole_requests > plan.stock.whole_requests >= 1
+    stock = engine_argv(m.for_replica("tiny-0"), cfg, "127.0.0.1", 8100)
+    onepage = engine_argv(m.for_replica("tiny-1"), cfg, "127.0.0.1", 8101)
+    assert (_seqs(stock), _seqs(onepage)) == (plan.stock.whole_requests,
+                                              plan.onepage.whole_requests)
+
+
+def test_a_count_is_passed_and_none_keeps_vllms_default(tmp_path):
+    cfg = _tiny_fleet(tmp_path / "a", max_num_seqs=5)
+    assert _seqs(engine_argv(cfg.models[0], cfg, "127.0.0.1", 8100)) == 5
+    cfg = _tiny_fleet(tmp_path / "b")
+    assert _seqs(engine_argv(cfg.models[0], cfg, "127.0.0.1", 8100)) is None
+    cfg = _tiny_fleet(tmp_path / "c", extra_args=["--max-num-seqs 6"])  # as before: still passes
+    assert _seqs(engine_argv(cfg.models[0], cfg, "127.0.0.1", 8100)) == 6
+
+
+@pytest.mark.parametrize("value, needle", [
+    (0, "models.0.max_num_seqs: expected a count >= 1 or \"planner\" (got 0)"),
+    (-3, "models.0.max_num_seqs: expected a count >= 1 or \"planner\" (got -3)"),
+    ("auto", "models.0.max_num_seqs"),
+    (2.5, "models.0.max_num_seqs"),
+    ("8", "models.0.max_num_seqs"),
+])
+def test_bad_values_are_refused_naming_the_field(value, needle):
+    assert needle in refused(fleet_text(models=[dict(MODEL, max_num_seqs=value)]))
+
+
+@pytest.mark.parametrize("extra", [["--max-num-seqs 8"], ["--max-num-seqs=8"],
+                                   ["--seed 0 --max-num-seqs 8"]])
+def test_the_field_and_the_flag_together_are_refused(extra):
+    msg = refused(fleet_text(models=[dict(MODEL, max_num_seqs="planner", extra_args=extra)]))
+    assert "max_num_seqs is given twice" in msg
+
+
+def test_a_pool_without_one_whole_request_is_refused_at_load(tmp_path):
+    # 4096-token requests: stock needs more blocks per request than one-page, so a pool sized
+    # between the two holds a one-page request but no stock one
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny")
+    shape = capacity.HybridModelShape.from_path(tmp_path / "tiny")
+    kw = dict(tp=1, num_spec=3, max_model_len=4096, platform="cpu", state_dtype="float32",
+              prefix_caching=True)
+    mem = next(mib << 20 for mib in range(1, 512)
+               if capacity.plan(shape, kv_bytes_per_rank=mib << 20, **kw).onepage.whole_requests
+               >= 1)
+    plan = capacity.plan(shape, kv_bytes_per_rank=mem, **kw)
+    assert plan.stock.whole_requests == 0 and plan.onepage.whole_requests >= 1
+    ok = _tiny_fleet(tmp_path / "ok", kv_cache_memory_bytes=mem, max_num_seqs="planner")
+    assert _seqs(engine_argv(ok.models[0], ok, "127.0.0.1", 8100)) == plan.onepage.whole_requests
+    with pytest.raises(FleetConfigError) as exc:
+        _tiny_fleet(tmp_path / "bad", kv_cache_memory_bytes=mem, max_num_seqs="planner",
+                    gdn_state="stock")
+    assert ("models.tiny.max_num_seqs planner: the stock pool of "
+            f"{mem} B per rank holds no whole request of 4096 tokens") in str(exc.value)
+    # without planner admission the same file loads (vLLM itself then says it does not fit)
+    _tiny_fleet(tmp_path / "plain", kv_cache_memory_bytes=mem, gdn_state="stock")
+
+
+def test_fleet_check_shows_what_each_page_mode_is_launched_with(tmp_path):
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    cfg = _tiny_fleet(tmp_path, replicas=2, max_num_seqs="planner",
+                      gdn_state_per_replica=["stock", "onepage"])
+    plan = planned_pool(cfg.models[0], cfg)
+    want = {"stock": plan.stock.whole_requests, "onepage": plan.onepage.whole_requests}
+    res = CliRunner().invoke(main, ["fleet", "check", "--config", str(tmp_path / "fleet.yaml"),
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["max_num_seqs"] == {"tiny": want}
+    res = CliRunner().invoke(main, ["fleet", "check", "--config", str(tmp_path / "fleet.yaml")])
+    assert (f"tiny: max_num_seqs stock {want['stock']}, onepage {want['onepage']} (the planner's "
+            "whole requests of max_model_len)") in res.output
