@@ -334,7 +334,9 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--num-spec", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--kv-mib", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--max-model-len", type=click.IntRange(16), default=4096, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--max-num-seqs", "max_num_seqs_text", default="8", show_default=True,
+              help="started replicas' max_num_seqs: a count for both, or 'planner': each mode "
+              "its whole requests of max_model_len (admits only what can grow to the end)")
 @click.option("--engine-cpus", default=None, help="pin each replica to these cpus, e.g. '0'")
 @click.option("--client-cpus", default=None, help="pin this load generator, e.g. '1'")
 @click.option("--stock-endpoint", default=None, help="measure running replicas instead of "
@@ -351,7 +353,7 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
             output_tokens: int, workload: str, prefix_tokens: int, prefix_groups: int,
             prefix_caching: bool | None, client: str, sample_interval_s: float,
             model_dir: Path | None, num_spec: int, kv_mib: int,
-            max_model_len: int, max_num_seqs: int, engine_cpus: str | None,
+            max_model_len: int, max_num_seqs_text: str, engine_cpus: str | None,
             client_cpus: str | None, stock_endpoint: str | None, onepage_endpoint: str | None,
             workdir: Path, out_prefix: Path | None, timeout_s: float, as_json: bool,
             quiet: bool) -> None:
@@ -366,6 +368,18 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
     concurrencies = _int_list(concurrency_list, "--concurrency")
     if (stock_endpoint is None) != (onepage_endpoint is None):
         raise BadInput("--stock-endpoint and --onepage-endpoint: expected both or neither")
+    max_num_seqs: int | str = max_num_seqs_text
+    if max_num_seqs_text != "planner":
+        try:
+            max_num_seqs = int(max_num_seqs_text)
+        except ValueError:
+            max_num_seqs = 0
+        if max_num_seqs < 1:
+            raise BadInput(f"--max-num-seqs {max_num_seqs_text!r}: expected a count >= 1 or "
+                           "'planner'")
+    elif stock_endpoint is not None:
+        raise BadInput("--max-num-seqs planner sets started replicas' admission; the endpoints "
+                       "given run their own")
     _cpus(engine_cpus)
     pin_client(client_cpus)
     shared = workload == "shared-prefix"
@@ -397,11 +411,19 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                                         str(model_dir) if model_dir is not None else None)
     else:
         model_path = model_dir or tiny_model(workdir)
+        capb = cmp.capacity_block(model_path, num_spec=num_spec, kv_bytes=kv_bytes,
+                                  max_model_len=max_model_len, concurrencies=concurrencies,
+                                  max_num_seqs=max_num_seqs, prefix_caching=prefix_caching)
+        if min(cmp.admission_caps(capb).values()) < 1:
+            raise BadInput(f"--max-num-seqs planner: a pool holds no whole request of "
+                           f"{max_model_len} tokens ({capb['requests_fit']}); expected more "
+                           "--kv-mib or a shorter --max-model-len")
 
         @contextlib.contextmanager
         def replicas(mode: str, rep: int):
             with local_replica(model_path, mode, workdir, num_spec=num_spec, kv_bytes=kv_bytes,
-                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               max_model_len=max_model_len,
+                               max_num_seqs=cmp.mode_seqs(capb, mode),
                                cpu_bind=engine_cpus, tag=f"-compare{rep}",
                                prefix_caching=prefix_caching,
                                # per-request cached_tokens in the usage block
@@ -427,10 +449,7 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                        "external": stock_endpoint is not None}
     if stock_endpoint is None:
         result["kv_cache_tokens_logged"] = logged
-        result["capacity"] = cmp.capacity_block(
-            model_dir or tiny_model(workdir), num_spec=num_spec, kv_bytes=kv_bytes,
-            max_model_len=max_model_len, concurrencies=concurrencies, max_num_seqs=max_num_seqs,
-            prefix_caching=prefix_caching)
+        result["capacity"] = capb
     md = cmp.markdown(result)
     if out_prefix is not None:
         write_json(out_prefix.with_suffix(".json"), result)

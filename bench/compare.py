@@ -458,37 +458,54 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
 
 
 def capacity_block(model_dir: Path, *, num_spec: int, kv_bytes: int, max_model_len: int,
-                   concurrencies: list[int], max_num_seqs: int, platform: str = "cpu",
+                   concurrencies: list[int], max_num_seqs: int | str, platform: str = "cpu",
                    state_dtype: str | None = "float32",
                    prefix_caching: bool = False) -> dict[str, Any]:
     """Planner numbers (r9k.capacity): tokens per mode and the share running requests pin.
-    `prefix_caching` is what the compared servers run (on: vLLM's align accounting)."""
+    `prefix_caching` is what the compared servers run (on: vLLM's align accounting);
+    `max_num_seqs` "planner" gives each mode its own whole requests (`admission_caps`)."""
     shape = cap.HybridModelShape.from_path(model_dir)
-    pinned = {}
-    for running in sorted(set(concurrencies) | {max_num_seqs}):
-        p = cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
-                     max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                     running=min(running, max_num_seqs), prefix_caching=prefix_caching)
-        pinned[running] = {"running": min(running, max_num_seqs),
-                           "stock": p.stock.pinned_fraction, "onepage": p.onepage.pinned_fraction}
-    p = cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
-                 max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
-                 running=max_num_seqs, prefix_caching=prefix_caching)
+
+    def plan(running: int) -> cap.CapacityPlan:
+        return cap.plan(shape, tp=1, num_spec=num_spec, kv_bytes_per_rank=kv_bytes,
+                        max_model_len=max_model_len, platform=platform, state_dtype=state_dtype,
+                        running=running, prefix_caching=prefix_caching)
+
+    p = plan(0)
     pools = {"stock": p.stock, "onepage": p.onepage}
+    seqs = ({m: pool.whole_requests for m, pool in pools.items()} if max_num_seqs == "planner"
+            else max_num_seqs)
+    capb = {"max_num_seqs": seqs}
+    pinned = {}
+    for running in sorted(set(concurrencies) | set(admission_caps(capb).values())):
+        runs = {m: min(running, mode_seqs(capb, m)) for m in MODES}
+        pinned[running] = {"running": runs["stock"] if len(set(runs.values())) == 1 else runs,
+                           **{m: getattr(plan(runs[m]), m).pinned_fraction for m in MODES}}
+    top = max(admission_caps(capb).values())
     return {"prefix_caching": prefix_caching,
             "planner_tokens": {"stock": p.stock.tokens, "onepage": p.onepage.tokens},
             "planner_ratio": p.ratio, "num_blocks": {"stock": p.stock.num_blocks,
                                                      "onepage": p.onepage.num_blocks},
             "max_concurrency": {m: pool.max_concurrency for m, pool in pools.items()},
             "requests_fit": {m: pool.whole_requests for m, pool in pools.items()},
-            "max_num_seqs": max_num_seqs,
-            "pinned_fraction_by_concurrency": pinned, "plan": p.public()}
+            "max_num_seqs": seqs,
+            "pinned_fraction_by_concurrency": pinned, "plan": plan(top).public()}
+
+
+def mode_seqs(capb: dict[str, Any], mode: str) -> int:
+    """The mode's max_num_seqs: one count for both, or each mode's own (planner admission)."""
+    seqs = capb["max_num_seqs"]
+    return seqs[mode] if isinstance(seqs, dict) else seqs
+
+
+def admission_caps(capb: dict[str, Any]) -> dict[str, int]:
+    return {m: mode_seqs(capb, m) for m in MODES}
 
 
 def expected_running(capb: dict[str, Any], mode: str, concurrency: int) -> int:
     """What the planner says the engine runs with `concurrency` clients: the clients, capped
     by max_num_seqs and by the whole requests the pool holds."""
-    return min(concurrency, capb["max_num_seqs"], capb["requests_fit"][mode])
+    return min(concurrency, mode_seqs(capb, mode), capb["requests_fit"][mode])
 
 
 def _median_range(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
@@ -588,7 +605,10 @@ def pool_markdown(result: dict[str, Any]) -> list[str]:
              "peak running and waiting requests, peak KV usage, preemptions over the level; "
              "median over repeats (min..max). Planner: whole requests of max_model_len the "
              "pool holds ((num_blocks - 1) // blocks per request; vLLM logs num_blocks / blocks "
-             "per request), capped by the clients and max_num_seqs.", "",
+             "per request), capped by the clients and max_num_seqs"
+             + (f" (stock {mode_seqs(capb, 'stock')}, one-page {mode_seqs(capb, 'onepage')}"
+                + (": each mode's whole requests, planner admission)."
+                   if isinstance(capb["max_num_seqs"], dict) else ").") if capb else "."), "",
              "| concurrency | mode | planner running | observed peak running | peak waiting "
              "| peak KV usage | preemptions |", "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -618,7 +638,9 @@ def _capacity_markdown(result: dict[str, Any], lines: list[str]) -> str:
             lines.append(f"| tokens (engine log) | {kv['stock']:,} | {kv['onepage']:,} | "
                          f"{kv['onepage'] / kv['stock']:.3f} |")
         for c, p in capb["pinned_fraction_by_concurrency"].items():
-            lines.append(f"| pool pinned by {p['running']} running | {p['stock']:.1%} | "
+            runs = p["running"]
+            runs = f"{runs['stock']} / {runs['onepage']}" if isinstance(runs, dict) else runs
+            lines.append(f"| pool pinned by {runs} running | {p['stock']:.1%} | "
                          f"{p['onepage']:.1%} | |")
     return "\n".join(lines) + "\n"
 
@@ -697,7 +719,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     capb = result.get("capacity")
     if capb and len(cs) > 1:
         for i, (m, label) in enumerate((("stock", "stock"), ("onepage", "one-page"))):
-            fit = min(capb["requests_fit"][m], capb["max_num_seqs"])
+            fit = min(capb["requests_fit"][m], mode_seqs(capb, m))
             if cs[0] <= fit < cs[-1]:  # the pool (or max_num_seqs) caps running requests here
                 for ax in (a1, a2):
                     ax.axvline(fit, color=f"C{i}", ls=":", lw=1,

@@ -9,7 +9,7 @@ import pytest
 
 from doubles.monitored_host import FakeReplica
 
-from r9k.bench.compare import (PoolSampler, Workload, aggregate, capacity_block, crossover,
+from r9k.bench.compare import (PoolSampler, pool_markdown, Workload, aggregate, capacity_block, crossover,
                                expected_running, level_from_vllm_bench, markdown,
                                read_metrics_text, run_level, vllm_bench_argv)
 
@@ -255,3 +255,35 @@ def test_sweep_markdown_and_plot_mark_crossover_and_pool_bounds(tmp_path):
             run["levels"][1]["output_tokens_per_s"] = 110
     res.update(aggregate(runs, w))
     assert "Crossover: none" in markdown(res)
+
+
+def test_planner_admission_gives_each_mode_its_whole_requests(tiny_model):
+    capb = capacity_block(tiny_model, num_spec=3, kv_bytes=8 << 20, max_model_len=1280,
+                          concurrencies=[1, 8], max_num_seqs="planner")
+    assert capb["max_num_seqs"] == capb["requests_fit"] == {"stock": 2, "onepage": 4}
+    assert [expected_running(capb, "onepage", c) for c in (1, 8)] == [1, 4]
+    p = capb["pinned_fraction_by_concurrency"]
+    # each mode pins what its own cap lets run: 8 clients run 2 stock and 4 one-page requests
+    assert p[8]["running"] == {"stock": 2, "onepage": 4} and p[1]["running"] == 1
+    same = capacity_block(tiny_model, num_spec=3, kv_bytes=8 << 20, max_model_len=1280,
+                          concurrencies=[1, 2, 4, 8], max_num_seqs=8)["pinned_fraction_by_concurrency"]
+    assert p[8]["stock"] == same[2]["stock"] and p[8]["onepage"] == same[4]["onepage"]
+    peak = {"n": 1, "median": 2, "min": 2, "max": 2}
+    row = {"concurrency": 8, "stock": {"peak_running": peak}, "onepage": {"peak_running": peak}}
+    md = "\n".join(pool_markdown({"by_concurrency": [row], "workload": {}, "capacity": capb}))
+    assert "(stock 2, one-page 4: each mode's whole requests, planner admission)." in md
+    assert "| 8 | one-page | 4 (pool 4.57x) | 2 |" in md
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("0", "--max-num-seqs '0': expected a count >= 1 or 'planner'"),
+    ("auto", "--max-num-seqs 'auto': expected a count >= 1 or 'planner'"),
+])
+def test_compare_refuses_bad_admission(value, needle, tmp_path):
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "compare", "--max-num-seqs", value, "--workdir",
+                                  str(tmp_path)])
+    assert r.exit_code != 0 and needle in r.output, r.output
