@@ -97,6 +97,7 @@ class ReplicaReading:
     layout: Layout | None = None
     pinned: dict[str, float] | None = None
     capacity_tokens: dict[str, int] | None = None
+    whole_requests: dict[str, int] | None = None   # per page mode, from the same live plan
 
 
 class ReplicaCollector:
@@ -204,10 +205,12 @@ class ReplicaCollector:
                 gdn_pages_per_request=lay.gdn_pages_per_request, num_ple_groups=lay.num_ple_groups,
                 ple_pages_per_request=lay.ple_pages_per_request)
         if shape is not None and metrics.num_blocks:
-            reading.capacity_tokens = self._capacity_tokens(shape, desc, reading.page_mode, metrics.num_blocks,
-                                                            metrics.ssm_state_dtype,
-                                                            metrics.cache_mode == "align",
-                                                            _series(metrics.plugin))
+            live = self._live_plan(shape, desc, reading.page_mode, metrics.num_blocks,
+                                   metrics.ssm_state_dtype, metrics.cache_mode == "align",
+                                   _series(metrics.plugin))
+            if live is not None:
+                reading.capacity_tokens = {m: getattr(live, m).tokens for m in PAGE_MODES}
+                reading.whole_requests = {m: getattr(live, m).whole_requests for m in PAGE_MODES}
         return reading
 
     def _plugin_layout(self, plugin: dict[str, str], page_mode: str) -> Layout | None:
@@ -286,10 +289,10 @@ class ReplicaCollector:
                       pool.gdn_pages_per_request, "capacity", pool.num_ple_groups,
                       pool.ple_pages_per_request)
 
-    def _capacity_tokens(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
-                         page_mode: str, num_blocks: int, state_dtype: str | None = None,
-                         prefix_caching: bool = False,
-                         vllm: str = capacity.VLLM_SERIES) -> dict[str, int] | None:
+    def _live_plan(self, shape: capacity.HybridModelShape, desc: ReplicaDescription,
+                   page_mode: str, num_blocks: int, state_dtype: str | None = None,
+                   prefix_caching: bool = False,
+                   vllm: str = capacity.VLLM_SERIES) -> capacity.CapacityPlan | None:
         max_len = self._max_model_len(desc)
         if max_len is None:
             return None
@@ -301,7 +304,7 @@ class ReplicaCollector:
         except capacity.CapacityInputError:
             self._count("model_config")
             return None
-        return {"stock": result.stock.tokens, "onepage": result.onepage.tokens}
+        return result
 
     # -- families --------------------------------------------------------------------------------
 
@@ -332,6 +335,10 @@ class ReplicaCollector:
         cap_tokens = gauge("r9k_kv_capacity_tokens",
                            "KV cache tokens the replica's pool holds, by page mode (capacity module).",
                            ["page_mode"])
+        whole = gauge("r9k_kv_whole_requests",
+                      "Requests of max_model_len the replica's pool runs at once, by page mode "
+                      "(capacity module); running above it, requests are preempted as they grow.",
+                      ["page_mode"])
         for r in readings:
             labels = [r.desc.name, r.model]
             up.add_metric(labels, 1.0 if r.up else 0.0)
@@ -354,8 +361,11 @@ class ReplicaCollector:
             if r.capacity_tokens is not None:
                 for mode in PAGE_MODES:
                     cap_tokens.add_metric(labels + [mode], float(r.capacity_tokens[mode]))
+            if r.whole_requests is not None:
+                for mode in PAGE_MODES:
+                    whole.add_metric(labels + [mode], float(r.whole_requests[mode]))
         yield from (up, info, cards, state, running, waiting, preempt, usage, blocks, block_size,
-                    pinned, cap_tokens)
+                    pinned, cap_tokens, whole)
 
 
 def load_replica_file(path: str | os.PathLike) -> list[ReplicaDescription]:

@@ -188,7 +188,13 @@ def kv_cache() -> dict:
         PanelSpec("stat", "Pool blocks", (18, 8, 6, 8), [(f"r9k_kv_pool_blocks{{{REPLICA}}}", "{{replica}}")]),
         PanelSpec(t, "Requests running and waiting", (0, 16, 12, 8), [
             (f"r9k_replica_requests_running{{{REPLICA}}}", "{{replica}} running"),
-            (f"r9k_replica_requests_waiting{{{REPLICA}}}", "{{replica}} waiting")]),
+            (f"r9k_replica_requests_waiting{{{REPLICA}}}", "{{replica}} waiting"),
+            (f"r9k_kv_whole_requests{{{REPLICA}}} and on(replica, page_mode) "
+             f"r9k_replica_info{{{REPLICA}}}", "{{replica}} whole requests ({{page_mode}})")],
+            description="Whole requests: requests of max_model_len the pool runs at once in the "
+                        "page mode the replica runs (capacity module). Running above it, vLLM "
+                        "preempts requests as they grow (fleet max_num_seqs: planner admits no "
+                        "more)."),
         PanelSpec(t, "Preemptions", (12, 16, 12, 8), [
             (f"rate(r9k_replica_preemptions_total{{{REPLICA}}}[$__rate_interval])", "{{replica}}")]),
         PanelSpec("table", "Replica state", (0, 24, 8, 8), [

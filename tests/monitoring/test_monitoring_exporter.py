@@ -192,6 +192,10 @@ def test_pinned_ratio_matches_the_capacity_module(tiny_model_dir, page_mode, gdn
     assert val(s, "r9k_kv_capacity_tokens", page_mode="stock", **r) == live.stock.tokens
     assert val(s, "r9k_kv_capacity_tokens", page_mode="onepage", **r) == live.onepage.tokens
     assert live.onepage.tokens > live.stock.tokens
+    for mode in ("stock", "onepage"):  # the same live plan: (blocks less the null one) // per request
+        pool = getattr(live, mode)
+        assert val(s, "r9k_kv_whole_requests", page_mode=mode, **r) == pool.whole_requests \
+            == (pool.num_blocks - 1) // pool.blocks_per_request
 
 
 def test_layout_from_plugin_info_and_from_v1_models_root(tiny_model_dir):

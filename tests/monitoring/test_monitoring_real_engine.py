@@ -67,6 +67,11 @@ def test_real_engine_replica(tmp_path):
                 == plan.stock.tokens
             assert api.query('r9k_replica_info{replica="cpu0",page_mode="onepage",'
                              'layout_source="plugin"}')
+            assert api.value('r9k_kv_whole_requests{replica="cpu0",page_mode="onepage"}') \
+                == plan.onepage.whole_requests
+            # the dashboard's line: the whole requests of the page mode the replica runs
+            assert api.value('r9k_kv_whole_requests{replica="cpu0"} and on(replica, page_mode) '
+                             'r9k_replica_info{replica="cpu0"}') == plan.onepage.whole_requests
             # Prometheus scrapes the plugin's series straight off the replica too
             api.wait("the plugin's series scraped off the replica", lambda: api.query(
                 'r9k_plugin_info{job="vllm",page_mode="onepage",reason="",cache_mode="none",'
