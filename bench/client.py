@@ -223,8 +223,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
 
 
 def new_session(concurrency: int) -> aiohttp.ClientSession:
+    # A connection per request: reusing kept-alive ones against vLLM's server failed requests
+    # ("Can not write request body", "Server disconnected") once requests queued for seconds
+    # (bench/results/compare_cpu_admission.md); a loopback or LAN connect costs next to nothing.
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(concurrency, 1) + 4,
-                                                                force_close=False))
+                                                                force_close=True))
 
 
 async def drive(make_payload: Callable[[int], tuple[dict[str, Any], dict[str, Any]]],

@@ -83,3 +83,22 @@ def test_partial_results_aggregate_only_paired_repeats(tmp_path):
     res = {"workload": w.__dict__, "repeats": 2, **agg}
     assert "| 1 |" not in markdown(res)
     assert plot(res, tmp_path / "p.png") is False
+
+
+def test_the_client_opens_a_connection_per_request():
+    """Kept-alive connections reused against vLLM's server failed requests once they queued for
+    seconds (bench/results/compare_cpu_admission.md): each request now has its own."""
+    import asyncio
+
+    from r9k.bench.client import drive, new_session
+
+    async def run(url: str):
+        async with new_session(2) as session:
+            return await drive(lambda i: ({"model": "fake", "prompt": f"p{i}", "max_tokens": 4,
+                                           "stream": True}, {}),
+                               session, url, concurrency=2, total=6, timeout_s=30)
+
+    with FakeOpenAI(token_delay_s=0.001) as srv:
+        results, stopped = asyncio.run(run(srv.url))
+        assert stopped is None and [r.status for r in results] == ["ok"] * 6
+        assert len(srv.peers) == 6 and len(set(srv.peers)) == 6, srv.peers

@@ -41,6 +41,7 @@ class FakeOpenAI:
         self.max_model_len, self.model, self.token_delay_s = max_model_len, model, token_delay_s
         self.behaviour: dict = {}
         self.completions = 0
+        self.peers: list[tuple] = []  # each completion's client address (host, port)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.metric_value = 1000.0
@@ -89,6 +90,7 @@ class FakeOpenAI:
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         self.completions += 1
+        self.peers.append(request.transport.get_extra_info("peername"))
         n_req = self.completions
         b = self.behaviour
         die_after = b.get("die_after")
