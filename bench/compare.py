@@ -637,9 +637,13 @@ def _capacity_markdown(result: dict[str, Any], lines: list[str]) -> str:
         if kv.get("stock") and kv.get("onepage"):
             lines.append(f"| tokens (engine log) | {kv['stock']:,} | {kv['onepage']:,} | "
                          f"{kv['onepage'] / kv['stock']:.3f} |")
+        shown = set()
         for c, p in capb["pinned_fraction_by_concurrency"].items():
             runs = p["running"]
             runs = f"{runs['stock']} / {runs['onepage']}" if isinstance(runs, dict) else runs
+            if runs in shown:  # clients beyond both caps run what the caps allow: one row
+                continue
+            shown.add(runs)
             lines.append(f"| pool pinned by {runs} running | {p['stock']:.1%} | "
                          f"{p['onepage']:.1%} | |")
     return "\n".join(lines) + "\n"
