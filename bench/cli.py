@@ -378,8 +378,9 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
             raise BadInput(f"--max-num-seqs {max_num_seqs_text!r}: expected a count >= 1 or "
                            "'planner'")
     elif stock_endpoint is not None:
-        raise BadInput("--max-num-seqs planner sets started replicas' admission; the endpoints "
-                       "given run their own")
+        raise BadInput("--max-num-seqs planner sets the admission of replicas this command "
+                       "starts; with --stock-endpoint/--onepage-endpoint expected a count (or "
+                       "none: the endpoints admit as they were started)")
     _cpus(engine_cpus)
     pin_client(client_cpus)
     shared = workload == "shared-prefix"
@@ -414,10 +415,12 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
         capb = cmp.capacity_block(model_path, num_spec=num_spec, kv_bytes=kv_bytes,
                                   max_model_len=max_model_len, concurrencies=concurrencies,
                                   max_num_seqs=max_num_seqs, prefix_caching=prefix_caching)
-        if min(cmp.admission_caps(capb).values()) < 1:
-            raise BadInput(f"--max-num-seqs planner: a pool holds no whole request of "
-                           f"{max_model_len} tokens ({capb['requests_fit']}); expected more "
-                           "--kv-mib or a shorter --max-model-len")
+        fit = capb["requests_fit"]
+        if max_num_seqs == "planner" and min(fit.values()) < 1:
+            raise BadInput(f"--max-num-seqs planner: whole requests of {max_model_len} tokens in "
+                           f"{kv_mib} MiB: stock {fit['stock']}, one-page {fit['onepage']}; "
+                           "expected at least 1 in each (more --kv-mib or a shorter "
+                           "--max-model-len)")
 
         @contextlib.contextmanager
         def replicas(mode: str, rep: int):

@@ -83,15 +83,13 @@ def fleet() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the validated fleet as JSON")
 def check(config: str, as_json: bool) -> None:
     """Validate a fleet file (schema, model paths, ports, cards in the file's inventory)."""
-    from r9k.deploy.config import max_num_seqs, planned_pool
+    from r9k.deploy.config import replica_max_num_seqs
 
     cfg = _load(config)
     replicas = sum(m.replicas for m in cfg.models)
     cards = sum(m.replicas * m.tp for m in cfg.models)
     # what each page mode's replicas are launched with (--max-num-seqs; None: vLLM's default)
-    seqs = {m.name: {mode: max_num_seqs(m, planned_pool(m, cfg) if m.max_num_seqs == "planner"
-                                        else None, mode)
-                     for mode in dict.fromkeys(m.gdn_state_per_replica or [m.gdn_state])}
+    seqs = {m.name: {mode: replica_max_num_seqs(m, cfg, mode) for mode in m.page_modes}
             for m in cfg.models}
     if as_json:
         click.echo(json.dumps({"ok": True, "config": config, "replicas": replicas, "cards": cards,

@@ -93,7 +93,7 @@ class ModelSpec(_Strict):
     @classmethod
     def _extra(cls, args: list[str]) -> list[str]:
         for arg in split_args(args):  # as the replica is launched: "--host 0.0.0.0" is two words
-            flag = arg.split("=", 1)[0]
+            flag = flag_name(arg)
             if flag in _OWNED_FLAGS:
                 raise ValueError(f"{flag} is set by the fleet from the model's typed fields "
                                  f"(prefix caching: `prefix_caching: false`); remove it from extra_args")
@@ -115,7 +115,7 @@ class ModelSpec(_Strict):
             raise ValueError(f"gdn_state_per_replica lists {len(per)} page modes for "
                              f"{self.replicas} replicas; expected one per replica")
         if self.max_num_seqs is not None and any(
-                a.split("=", 1)[0] == "--max-num-seqs" for a in split_args(self.extra_args)):
+                flag_name(a) == "--max-num-seqs" for a in split_args(self.extra_args)):
             raise ValueError("max_num_seqs is given twice: as the field and as --max-num-seqs in "
                              "extra_args; keep one")
         if "onepage" in (per or [self.gdn_state]) and self.speculative is None:
@@ -126,6 +126,11 @@ class ModelSpec(_Strict):
     @property
     def num_spec(self) -> int:
         return self.speculative.k if self.speculative else 0
+
+    @property
+    def page_modes(self) -> list[str]:
+        """The page modes its replicas run, each once."""
+        return list(dict.fromkeys(self.gdn_state_per_replica or [self.gdn_state]))
 
     def for_replica(self, replica: str) -> "ModelSpec":
         """The model as replica `<name>-<i>` serves it: its own page mode in a mixed model."""
@@ -350,19 +355,28 @@ def planned_pool(model: ModelSpec, cfg: FleetConfig,
                          vllm=cfg.vllm)
 
 
-def max_num_seqs(model: ModelSpec, plan: capacity.CapacityPlan, mode: str) -> int | None:
+def max_num_seqs(model: ModelSpec, plan: capacity.CapacityPlan | None, mode: str) -> int | None:
     """A replica's `--max-num-seqs` in page mode `mode`: the model's count, or with "planner"
     the whole requests of max_model_len its pool holds (`plan`: `planned_pool`); None leaves
-    vLLM's default."""
+    vLLM's default. Where the plugin keeps stock pages for these GDN heads, a one-page replica
+    runs the stock pool, and is admitted by it."""
     if model.max_num_seqs != "planner":
         return model.max_num_seqs
-    pool = plan.onepage if mode == "onepage" else plan.stock
+    if plan is None:
+        raise ValueError("max_num_seqs planner: no capacity plan given (planned_pool)")
+    pool = plan.onepage if mode == "onepage" and not plan.onepage_unservable else plan.stock
     if pool.whole_requests < 1:
         raise ValueError(f"max_num_seqs planner: the {mode} pool of {model.kv_cache_memory_bytes} "
                          f"B per rank holds no whole request of {model.max_model_len} tokens "
                          f"({pool.num_blocks} blocks, {pool.blocks_per_request} per request); "
-                         "expected more memory or a shorter max_model_len")
+                         "expected more kv_cache_memory_bytes or a shorter max_model_len")
     return pool.whole_requests
+
+
+def replica_max_num_seqs(model: ModelSpec, cfg: FleetConfig, mode: str) -> int | None:
+    """`max_num_seqs` for a replica of `model` in `mode`, planning the pool only for "planner"."""
+    plan = planned_pool(model, cfg) if model.max_num_seqs == "planner" else None
+    return max_num_seqs(model, plan, mode)
 
 
 def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
@@ -378,7 +392,7 @@ def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
             plan = planned_pool(m, cfg, capacity.HybridModelShape.from_path(path))
         except capacity.CapacityInputError as exc:
             raise FleetConfigError(f"{source}: models.{m.name}: {exc}") from None
-        for mode in dict.fromkeys(m.gdn_state_per_replica or [m.gdn_state]):
+        for mode in m.page_modes:
             try:
                 max_num_seqs(m, plan, mode)
             except ValueError as exc:
@@ -400,6 +414,13 @@ def load_fleet(path: str | os.PathLike) -> FleetConfig:
     cfg = parse_fleet(text, str(path), base_dir=path.resolve().parent)
     check_model_paths(cfg, str(path))
     return cfg
+
+
+def flag_name(arg: str) -> str:
+    """A command-line word's flag as vLLM's parser reads it: before any "=", and a long
+    option's underscores as dashes (`--max_num_seqs=8` is `--max-num-seqs`)."""
+    flag = arg.split("=", 1)[0]
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
 
 
 def split_args(args: list[str]) -> list[str]:

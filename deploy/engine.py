@@ -15,7 +15,7 @@ import json
 from r9k import capacity
 from r9k.fleet_status import PageProof  # the proof's type (the fleet status carries it)
 from r9k.deploy.config import (RAY_EXTRA_COPY, RCCL_DEFAULTS, RCCL_TP4_DEFAULTS, FleetConfig, HostSpec,
-                               ModelSpec, max_num_seqs, planned_pool, split_args)
+                               ModelSpec, replica_max_num_seqs, split_args)
 from r9k.deploy.placement import Assignment
 from r9k.deploy.server import api_server_argv
 from r9k.policy import GDN_STATE_ENV
@@ -24,8 +24,7 @@ from r9k.vllm_metrics import PLUGIN_INFO_METRIC, parse_vllm_metrics
 
 def engine_argv(model: ModelSpec, cfg: FleetConfig, host: str, port: int | str) -> list[str]:
     spec = model.speculative
-    plan = planned_pool(model, cfg) if model.max_num_seqs == "planner" else None
-    seqs = max_num_seqs(model, plan, model.gdn_state)
+    seqs = replica_max_num_seqs(model, cfg, model.gdn_state)  # a replica's model: for_replica
     return api_server_argv(
         model.resolved_path(cfg.base_dir), model.name, host, port, tp=model.tp,
         max_model_len=model.max_model_len, kv_cache_memory_bytes=model.kv_cache_memory_bytes,

@@ -337,7 +337,7 @@ class ReplicaCollector:
                            ["page_mode"])
         whole = gauge("r9k_kv_whole_requests",
                       "Requests of max_model_len the replica's pool runs at once, by page mode "
-                      "(capacity module); running above it, requests are preempted as they grow.",
+                      "(capacity module); running above it, requests may be preempted as they grow.",
                       ["page_mode"])
         for r in readings:
             labels = [r.desc.name, r.model]

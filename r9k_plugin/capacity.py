@@ -556,6 +556,7 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
     blocks_per_request = (n_gdn_groups * gdn_pages + n_ple_groups * ple_pages
                           + n_attn_groups * attn_blocks + n_ring_groups)
     concurrency = num_blocks / blocks_per_request
+    whole = max(0, num_blocks - 1) // blocks_per_request  # block 0 is vLLM's null block
     gdn_pinned = running * n_gdn_groups * gdn_pages
     ple_pinned = running * n_ple_groups * ple_pages
     attn_pinned = running * (n_attn_groups + n_ring_groups)
@@ -578,9 +579,9 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
         num_blocks=num_blocks,
         blocks_per_request=blocks_per_request,
         tokens=int(concurrency * max_model_len),
-        starts=num_blocks - 1 >= blocks_per_request,
+        starts=whole >= 1,
         max_concurrency=concurrency,
-        whole_requests=max(0, num_blocks - 1) // blocks_per_request,
+        whole_requests=whole,
         running=running,
         pinned_blocks=pinned,
         pinned_fraction=pinned / num_blocks if num_blocks else math.inf,

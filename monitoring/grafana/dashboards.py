@@ -193,7 +193,7 @@ def kv_cache() -> dict:
              f"r9k_replica_info{{{REPLICA}}}", "{{replica}} whole requests ({{page_mode}})")],
             description="Whole requests: requests of max_model_len the pool runs at once in the "
                         "page mode the replica runs (capacity module). Running above it, vLLM "
-                        "preempts requests as they grow (fleet max_num_seqs: planner admits no "
+                        "may preempt requests as they grow (fleet max_num_seqs: planner admits no "
                         "more)."),
         PanelSpec(t, "Preemptions", (12, 16, 12, 8), [
             (f"rate(r9k_replica_preemptions_total{{{REPLICA}}}[$__rate_interval])", "{{replica}}")]),

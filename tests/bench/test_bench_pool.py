@@ -275,15 +275,19 @@ def test_planner_admission_gives_each_mode_its_whole_requests(tiny_model):
     assert "| 8 | one-page | 4 (pool 4.57x) | 2 |" in md
 
 
-@pytest.mark.parametrize("value, needle", [
-    ("0", "--max-num-seqs '0': expected a count >= 1 or 'planner'"),
-    ("auto", "--max-num-seqs 'auto': expected a count >= 1 or 'planner'"),
+@pytest.mark.parametrize("args, needle", [
+    (["--max-num-seqs", "0"], "--max-num-seqs '0': expected a count >= 1 or 'planner'"),
+    (["--max-num-seqs", "auto"], "--max-num-seqs 'auto': expected a count >= 1 or 'planner'"),
+    (["--max-num-seqs", "planner", "--stock-endpoint", "http://127.0.0.1:9",
+      "--onepage-endpoint", "http://127.0.0.1:9"],
+     "with --stock-endpoint/--onepage-endpoint expected a count"),
+    (["--max-num-seqs", "planner", "--kv-mib", "3", "--max-model-len", "1024"],
+     "whole requests of 1024 tokens in 3 MiB: stock 0, one-page 1; expected at least 1 in each"),
 ])
-def test_compare_refuses_bad_admission(value, needle, tmp_path):
+def test_compare_refuses_bad_admission(args, needle, tmp_path):
     from click.testing import CliRunner
 
     from r9k.cli import main
 
-    r = CliRunner().invoke(main, ["bench", "compare", "--max-num-seqs", value, "--workdir",
-                                  str(tmp_path)])
+    r = CliRunner().invoke(main, ["bench", "compare", *args, "--workdir", str(tmp_path)])
     assert r.exit_code != 0 and needle in r.output, r.output

@@ -74,7 +74,7 @@ def test_bad_values_are_refused_naming_the_field(value, needle):
 
 
 @pytest.mark.parametrize("extra", [["--max-num-seqs 8"], ["--max-num-seqs=8"],
-                                   ["--seed 0 --max-num-seqs 8"]])
+                                   ["--seed 0 --max-num-seqs 8"], ["--max_num_seqs", "8"]])
 def test_the_field_and_the_flag_together_are_refused(extra):
     msg = refused(fleet_text(models=[dict(MODEL, max_num_seqs="planner", extra_args=extra)]))
     assert "max_num_seqs is given twice" in msg
@@ -121,3 +121,34 @@ def test_fleet_check_shows_what_each_page_mode_is_launched_with(tmp_path):
     res = CliRunner().invoke(main, ["fleet", "check", "--config", str(tmp_path / "fleet.yaml")])
     assert (f"tiny: max_num_seqs stock {want['stock']}, onepage {want['onepage']} (the planner's "
             "whole requests of max_model_len)") in res.output
+
+
+def test_planner_admission_plans_the_pool_the_replica_is_launched_with(tmp_path):
+    """Prefix caching off plans mamba_cache_mode none (1 + k stock pages, 1 one-page), as
+    engine_argv launches it; TP 2 plans per-rank pages."""
+    off = _tiny_fleet(tmp_path / "off", max_num_seqs="planner", prefix_caching=False)
+    on = _tiny_fleet(tmp_path / "on", max_num_seqs="planner")
+    p_off, p_on = planned_pool(off.models[0], off), planned_pool(on.models[0], on)
+    assert (p_off.onepage.cache_mode, p_on.onepage.cache_mode) == ("none", "align")
+    argv = engine_argv(off.models[0], off, "127.0.0.1", 8100)
+    assert "--no-enable-prefix-caching" in argv and _seqs(argv) == p_off.onepage.whole_requests
+    assert _seqs(engine_argv(on.models[0], on, "127.0.0.1", 8100)) == p_on.onepage.whole_requests
+    tp2 = parse_fleet(fleet_text(models=[dict(MODEL, path=str(tmp_path / "off" / "tiny"), tp=2,
+                                              replicas=1, max_num_seqs="planner")]))
+    p2 = planned_pool(tp2.models[0], tp2)
+    assert p2.tp == 2 and _seqs(engine_argv(tp2.models[0], tp2, "127.0.0.1", 8100)) \
+        == p2.onepage.whole_requests
+
+
+def test_whole_requests_leave_out_vllms_null_block():
+    """A pool of exactly n requests' blocks runs n - 1 of them: block 0 is vLLM's null block (stop
+    32's H200 planner run capped stock at 72 // 18 = 4 where 3 fit, and preempted 8 a repeat)."""
+    from r9k.devtools.tiny_model import build_config
+
+    shape = capacity.HybridModelShape.from_config(build_config())
+    p = capacity.plan(shape, tp=1, num_spec=3, kv_bytes_per_rank=6 << 20, max_model_len=1024,
+                      platform="cpu", state_dtype="float32")
+    assert (p.stock.num_blocks, p.stock.blocks_per_request, p.stock.whole_requests) == (24, 12, 1)
+    assert (p.onepage.num_blocks, p.onepage.blocks_per_request, p.onepage.whole_requests) \
+        == (24, 6, 3)
+    assert p.stock.starts and p.onepage.starts

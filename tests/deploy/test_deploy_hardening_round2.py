@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from r9k.deploy.config import parse_fleet
-from r9k.deploy.engine import engine_argv, planned_pool
+from r9k.deploy.config import parse_fleet, planned_pool
+from r9k.deploy.engine import engine_argv
 
 from test_deploy_config import fleet_text, refused
 
@@ -18,6 +18,8 @@ MODEL = {"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}
     (["--max-num-seqs 8 --port=9999"], "--port"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
     (["--tensor-parallel-size", "4"], "--tensor-parallel-size"),
+    (["--tensor_parallel_size=4"], "--tensor-parallel-size"),  # vLLM reads _ as -
+    (["--enable_prefix_caching"], "--enable-prefix-caching"),
 ])
 def test_item6_owned_flags_are_refused_in_every_spelling(extra, flag):
     needle = f"models.0.extra_args: {flag} is set by the fleet"
