@@ -152,3 +152,21 @@ def test_whole_requests_leave_out_vllms_null_block():
     assert (p.onepage.num_blocks, p.onepage.blocks_per_request, p.onepage.whole_requests) \
         == (24, 6, 3)
     assert p.stock.starts and p.onepage.starts
+
+
+def test_a_onepage_replica_on_heads_one_page_cannot_serve_is_admitted_by_the_stock_pool(tmp_path):
+    """The plugin keeps stock pages for a key head dim that is not a power of two (page_layout's
+    rule); planner admission then counts the stock pool the replica really runs."""
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "odd", overrides={"linear_key_head_dim": 48})
+    doc = {"platform": "cpu", "entry": {"port": 8000}, "exporter": None,
+           "hosts": [{"name": "local", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+           "models": [{"name": "odd", "path": str(tmp_path / "odd"), "max_model_len": 1024,
+                       "kv_cache_memory_bytes": 12 << 20, "state_dtype": "float32",
+                       "max_num_seqs": "planner"}]}
+    (tmp_path / "fleet.yaml").write_text(json.dumps(doc))
+    cfg = load_fleet(tmp_path / "fleet.yaml")
+    plan = planned_pool(cfg.models[0], cfg)
+    assert plan.onepage_unservable and plan.onepage.whole_requests > plan.stock.whole_requests
+    assert _seqs(engine_argv(cfg.models[0], cfg, "127.0.0.1", 8100)) == plan.stock.whole_requests
