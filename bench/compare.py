@@ -601,14 +601,16 @@ def pool_markdown(result: dict[str, Any]) -> list[str]:
         return []
     capb = result.get("capacity")
     interval = (result["workload"].get("sample_interval_s") or 0.5)
+    caps = ""
+    if capb:
+        planner = isinstance(capb["max_num_seqs"], dict)
+        caps = (f" (stock {mode_seqs(capb, 'stock')}, one-page {mode_seqs(capb, 'onepage')}"
+                + (": each mode's whole requests, planner admission" if planner else "") + ")")
     lines = ["", f"Scheduler over each level (the replica's /metrics every {interval:g} s): "
              "peak running and waiting requests, peak KV usage, preemptions over the level; "
              "median over repeats (min..max). Planner: whole requests of max_model_len the "
              "pool holds ((num_blocks - 1) // blocks per request; vLLM logs num_blocks / blocks "
-             "per request), capped by the clients and max_num_seqs"
-             + (f" (stock {mode_seqs(capb, 'stock')}, one-page {mode_seqs(capb, 'onepage')}"
-                + (": each mode's whole requests, planner admission)."
-                   if isinstance(capb["max_num_seqs"], dict) else ").") if capb else "."), "",
+             f"per request), capped by the clients and max_num_seqs{caps}.", "",
              "| concurrency | mode | planner running | observed peak running | peak waiting "
              "| peak KV usage | preemptions |", "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from r9k import capacity
-from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet, planned_pool
+from r9k.deploy.config import FleetConfig, FleetConfigError, load_fleet, parse_fleet, planned_pool
 from r9k.deploy.engine import engine_argv
 
 from test_deploy_config import fleet_text, refused
@@ -23,7 +23,7 @@ def _seqs(argv: list[str]) -> int | None:
     return int(argv[hits[0] + 1]) if hits else None
 
 
-def _tiny_fleet(tmp_path, **model) -> "FleetConfig":  # noqa: F821
+def _tiny_fleet(tmp_path, **model) -> FleetConfig:
     from r9k.devtools.tiny_model import make_tiny
 
     make_tiny(tmp_path / "tiny")
