@@ -78,7 +78,7 @@ import triton.language as tl
 
 from r9k.kernels.triton_fused import (  # the shipped kernel's tiling and layout checks
     STOCK_BV_MAX, STOCK_NUM_STAGES, STOCK_NUM_WARPS, _check_layout, _first_candidate_row,
-    _step_rows)
+    _step_rows, rows_in_place)
 from r9k.page_layout import (
     FLAG_COUNT, FLAG_DONE, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, head_dims_reason)
 # flag word columns, as constexprs the kernel may read
@@ -112,6 +112,9 @@ def onepage_gdn_step_kernel(
     N,
     stride_record_page,
     stride_flag_page,
+    stride_q_row,
+    stride_k_row,
+    stride_v_row,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -206,11 +209,11 @@ def onepage_gdn_step_kernel(
                 n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
             else:
                 n_row = bos
-            n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T),
+            n_q = tl.load(q + n_row * stride_q_row + i_h * K + o_k, mask=mask_k & (o_k * 0 < T),
                           other=0)
-            n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T),
+            n_k = tl.load(k + n_row * stride_k_row + i_h * K + o_k, mask=mask_k & (o_k * 0 < T),
                           other=0)
-            n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T),
+            n_v = tl.load(v + n_row * stride_v_row + i_hv * V + o_v, mask=mask_v & (o_v * 0 < T),
                           other=0)
             n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
             n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
@@ -297,8 +300,8 @@ def onepage_gdn_step_kernel(
     if PREFETCH == 1 and not SPEC:
         # PREFETCH 1: the first candidate row too (it stays in registers through the replay)
         n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
-            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
-            HAS_ROW_MAP)
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, stride_q_row,
+            stride_k_row, stride_v_row, H, HV, K, V, HAS_ROW_MAP)
 
     if DO_RECORD and REC_ROWS and ROWS_END:
         # ROWS_END: the tiles are loaded here and stored after the verify loop, so no store
@@ -308,16 +311,16 @@ def onepage_gdn_step_kernel(
         m_sv = mask_s[:, None] & mask_v[None, :]
         m_sa = mask_s[:, None] & ((o_s * 0 + i_v) == 0)[:, None]
         m_sk = m_sa & ((o_s * 0 + i_hv % (HV // H)) == 0)[:, None] & mask_k[None, :]
-        t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_sv, other=0)
+        t_v = tl.load(v + rows[:, None] * stride_v_row + i_hv * V + o_v[None, :], mask=m_sv, other=0)
         t_a = tl.load(a + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
         t_b = tl.load(b + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
-        t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_sk, other=0)
+        t_k = tl.load(k + rows[:, None] * stride_k_row + i_h * K + o_k[None, :], mask=m_sk, other=0)
     if DO_RECORD and REC_ROWS and not REC_IN_VERIFY and not ROWS_END:
         # this step's rows into the other slot, as tiles off the token chain
         if T > 0:
             o_s, mask_s, rows = _step_rows(row_map, bos, n_rows, SP, HAS_ROW_MAP)
             p_w0 = p_w + o_s[:, None] * W
-            t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :],
+            t_v = tl.load(v + rows[:, None] * stride_v_row + i_hv * V + o_v[None, :],
                           mask=mask_s[:, None] & mask_v[None, :], other=0)
             tl.store(p_w0 + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
                      mask=mask_s[:, None] & mask_v[None, :])
@@ -328,7 +331,7 @@ def onepage_gdn_step_kernel(
                 tl.store(p_w1, t_a.to(record.dtype.element_ty), mask=mask_s[:, None])
                 tl.store(p_w1 + HV, t_b.to(record.dtype.element_ty), mask=mask_s[:, None])
                 if i_hv % (HV // H) == 0:
-                    t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                    t_k = tl.load(k + rows[:, None] * stride_k_row + i_h * K + o_k[None, :],
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
                     tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
@@ -386,8 +389,8 @@ def onepage_gdn_step_kernel(
     if PREFETCH == 2:
         # PREFETCH 2: the first candidate row is loaded after the replay, beside its store
         n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
-            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
-            HAS_ROW_MAP)
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, stride_q_row,
+            stride_k_row, stride_v_row, H, HV, K, V, HAS_ROW_MAP)
     if DO_REPLAY:
         if n_replay > 0:
             tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
@@ -409,11 +412,11 @@ def onepage_gdn_step_kernel(
                     n_row = tl.load(row_map + bos + i_t + 1, mask=more, other=0).to(tl.int64)
                 else:
                     n_row = bos + i_t + 1
-                n_q = tl.load(q + (n_row * H + i_h) * K + o_k,
+                n_q = tl.load(q + n_row * stride_q_row + i_h * K + o_k,
                               mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
-                n_k = tl.load(k + (n_row * H + i_h) * K + o_k,
+                n_k = tl.load(k + n_row * stride_k_row + i_h * K + o_k,
                               mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
-                n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v,
+                n_v = tl.load(v + n_row * stride_v_row + i_hv * V + o_v,
                               mask=mask_v & (o_v * 0 + i_t + 1 < T), other=0)
                 n_a = tl.load(a + n_row * HV + i_hv, mask=more, other=0)
                 n_b = tl.load(b + n_row * HV + i_hv, mask=more, other=0)
@@ -422,9 +425,9 @@ def onepage_gdn_step_kernel(
                     row = tl.load(row_map + bos + i_t).to(tl.int64)
                 else:
                     row = bos + i_t
-                c_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
-                c_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0)
-                c_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0)
+                c_q = tl.load(q + row * stride_q_row + i_h * K + o_k, mask=mask_k, other=0)
+                c_k = tl.load(k + row * stride_k_row + i_h * K + o_k, mask=mask_k, other=0)
+                c_v = tl.load(v + row * stride_v_row + i_hv * V + o_v, mask=mask_v, other=0)
                 c_b = tl.load(b + row * HV + i_hv)
                 c_a = tl.load(a + row * HV + i_hv)
             if DO_RECORD and REC_ROWS and REC_IN_VERIFY:
@@ -654,11 +657,13 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
     if N == 0:
         return out
     grid = (triton.cdiv(V, constexprs["BV"]), N * HV)
+    q, k, v = rows_in_place(q), rows_in_place(k), rows_in_place(v)
     onepage_gdn_step_kernel[grid](
         A_log, a.contiguous(), b.contiguous(), dt_bias, 1.0, 20.0,
-        q.contiguous(), k.contiguous(), v.contiguous(), out, ssm_state, record, flag,
+        q, k, v, out, ssm_state, record, flag,
         cu_seqlens, state_indices, num_accepted, row_map if row_map is not None else cu_seqlens,
-        K ** -0.5, N, record.stride(0), flag.stride(0), **constexprs, **options)
+        K ** -0.5, N, record.stride(0), flag.stride(0), q.stride(0), k.stride(0), v.stride(0),
+        **constexprs, **options)
     return out
 
 

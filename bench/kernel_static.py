@@ -46,6 +46,8 @@ def _compile(fn, sig: dict, constexprs: dict, options: dict, target, extra_div=(
     return triton.compile(src, target=target, options=options)
 
 
+# int args the JIT sees as multiples of 16 at these shapes (record pages; q, k, v rows)
+FUSED_DIV = ("stride_record_page", "stride_q_row", "stride_k_row", "stride_v_row")
 _STATE_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
@@ -53,7 +55,8 @@ def _fused_signature(kern, state: str, constexprs: dict) -> dict:
     ptr = {"A_log": "*fp32", "h": f"*{state}", "flag": "*i32", "cu_seqlens": "*i32",
            "state_indices": "*i32", "num_accepted": "*i32", "row_map": "*i32"}
     scal = {"beta": "fp32", "threshold": "fp32", "scale": "fp32", "N": "i32",
-            "stride_record_page": "i64", "stride_flag_page": "i32"}
+            "stride_record_page": "i64", "stride_flag_page": "i32", "stride_q_row": "i32",
+            "stride_k_row": "i32", "stride_v_row": "i32"}
     return {n: ptr.get(n) or scal.get(n) or "*bf16" for n in kern.arg_names
             if n not in constexprs}
 
@@ -66,7 +69,7 @@ def shipped_compiled(heads, state: str, S: int, target, has_row_map: bool = Fals
     constexprs, options = kernel_config(H=H, HV=HV, K=K, V=V, S=S, state_dtype=_STATE_DTYPE[state],
                                         state_page_stride=HV * V * K, has_row_map=has_row_map)
     return _compile(kern, _fused_signature(kern, state, constexprs), constexprs, options, target,
-                    extra_div=("stride_record_page",))
+                    extra_div=FUSED_DIV)
 
 
 def fused_compiled(heads, state: str, S: int, variant: dict, target, has_row_map: bool = False):
@@ -80,7 +83,7 @@ def fused_compiled(heads, state: str, S: int, variant: dict, target, has_row_map
                                         hip=target.backend == "hip", warp_size=target.warp_size,
                                         **variant)
     return _compile(kern, _fused_signature(kern, state, constexprs), constexprs, options, target,
-                    extra_div=("stride_record_page",))
+                    extra_div=FUSED_DIV)
 
 
 def stock_compiled(heads, state: str, S: int, target):

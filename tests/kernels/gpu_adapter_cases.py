@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 (fresh process): the plugin's GPU-path adapter (r9k.gdn_gpu)
 routes vLLM's spec-path calls into the one-page step exactly as a direct call would, through
 vLLM's own `_forward_core` code bound to a one-page layer, without touching vLLM's module."""
+import functools
 import os
 import types
 
@@ -137,11 +138,18 @@ md.__dict__.update(
     num_actual_tokens=T + n_dec, num_accepted_tokens=na,
     num_prefills=0, num_decodes=n_dec, num_spec_decodes=N, num_decode_tokens=n_dec)
 out = torch.zeros(T + n_dec, HV, V, dtype=torch.bfloat16)
+stock_rearranged = []
+layer2.rearrange_mixed_qkv = functools.partial(
+    gdn_gpu.rearrange_in_place, layer2,
+    lambda x: stock_rearranged.append(x.shape) or Stock.rearrange_mixed_qkv(layer2, x))
 fc._forward_context = types.SimpleNamespace(attn_metadata={FakeLayer.prefix: md})
 try:
     core(mixed_qkv, b_all, a_all, out)
 finally:
     fc._forward_context = None
+# the spec rows reached the step as views; only the non-spec decode rows were packed by stock
+assert stock_rearranged == [(n_dec, mixed_qkv.shape[1])], stock_rearranged
+assert layer2.onepage_spec_rows is None
 # conv: the spec call gets S from the configuration, the non-spec decode call is untouched
 assert [c.get("max_query_len") for c in conv_calls] == [S, None], conv_calls
 # recurrence: the spec rows ran the one-page step (stock never saw them) ...
@@ -162,6 +170,57 @@ assert torch.equal(rec_calls[0]["ssm_state_indices"], DEC_PAGES)
 assert all(torch.equal(x, y) for x, y in zip(layer2.kv_cache[1:], (ssm3, rec3, flag3)))
 assert int(layer2.onepage_flag[3, FLAG_COUNT]) == lens[2]  # page 3's record is this step's
 print("forward core routed")
+
+
+def spec_only_step(inplace: str):
+    """A spec-only step through `onepage_forward_core` (as vLLM's op calls it), the step spied
+    on: what it was handed (q's row stride, where its outputs went) and what came out."""
+    os.environ["R9K_GDN_INPLACE"] = inplace
+    layer5 = FakeLayer(*pools(), A_log, dt_bias)
+    stock_gdn.causal_conv1d_update = conv_stand_in
+    try:
+        layer5.routed_forward_core = gdn_gpu.bind_routed_forward_core(layer5)
+    finally:
+        stock_gdn.causal_conv1d_update = STOCK_CONV
+        del os.environ["R9K_GDN_INPLACE"]
+    md5 = object.__new__(GDNAttentionMetadata)
+    md5.__dict__.update(md.__dict__, non_spec_query_start_loc=None, spec_token_indx=None,
+                        non_spec_token_indx=None, non_spec_state_indices_tensor=None,
+                        num_actual_tokens=T, num_decodes=0, num_decode_tokens=0)
+    seen, real = [], gdn_gpu.onepage_spec_step
+
+    def spy(**kw):
+        seen.append((kw["q"].stride(0), kw["out"]))
+        return real(**kw)
+
+    out5 = torch.zeros(T + 2, HV, V, dtype=torch.bfloat16)  # CUDA-graph padding rows at the end
+    gdn_gpu.onepage_spec_step = spy
+    fc._forward_context = types.SimpleNamespace(attn_metadata={FakeLayer.prefix: md5})
+    try:
+        gdn_gpu.onepage_forward_core(layer5, mixed_qkv[:T].clone(), b, a, out5)
+    finally:
+        fc._forward_context = None
+        gdn_gpu.onepage_spec_step = real
+    assert layer5.onepage_spec_rows is None and layer5.onepage_spec_out is None
+    assert not out5[T:].any()
+    return seen, out5[:T], layer5.kv_cache[1:]
+
+
+ssm6, rec6, flag6 = pools()
+want6 = onepage_spec_step(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_state=ssm6,
+                          record=rec6, flag=flag6, state_indices=pages, num_accepted=na,
+                          cu_seqlens=cu)
+seen_on, out_on, pages_on = spec_only_step("1")
+seen_off, out_off, pages_off = spec_only_step("0")
+# in place: q read at the packed conv row stride, outputs written into core_attn_out's rows
+assert len(seen_on) == 1 and seen_on[0][0] == mixed_qkv.shape[1], seen_on
+assert seen_on[0][1] is not None and seen_on[0][1].data_ptr() == out_on.data_ptr()
+# R9K_GDN_INPLACE=0: stock's packed copies and its own output tensor, as before
+assert len(seen_off) == 1 and seen_off[0] == (HK * K, None), seen_off
+for got6, pages6 in ((out_on, pages_on), (out_off, pages_off)):
+    assert torch.equal(got6, want6)
+    assert all(torch.equal(x, y) for x, y in zip(pages6, (ssm6, rec6, flag6)))
+print("spec-only step in place")
 
 # a non-spec decode on a live page: one replayed row, then the stock call, and the flag cleared
 ssm2, rec2, flag2 = pools()

@@ -21,5 +21,5 @@ def test_gpu_path_adapter_under_interpreter():
                          timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert lines[-5:] == ["bound once", "spec call routed", "forward core routed",
-                          "non-spec decode routed", "ok"]
+    assert lines[-6:] == ["bound once", "spec call routed", "forward core routed",
+                          "spec-only step in place", "non-spec decode routed", "ok"]

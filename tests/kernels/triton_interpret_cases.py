@@ -75,6 +75,23 @@ def random_rows(g, T: int, HK: int, HV: int, K: int, V: int) -> dict:
                 b=torch.randn(T, HV, generator=g).bfloat16())
 
 
+def packed_rows(rows: dict) -> dict:
+    """The same rows as vLLM hands them over: q, k and v column slices of one packed conv
+    output [T, q | k | v] (rows at the packed stride, each row's heads contiguous)."""
+    from r9k.kernels.triton_fused import rows_in_place
+
+    qkv = [rows[n] for n in ("q", "k", "v")]
+    mixed = torch.cat([x.flatten(1) for x in qkv], dim=1)
+    views, col = {}, 0
+    for name, x in zip(("q", "k", "v"), qkv):
+        width = x.shape[1] * x.shape[2]
+        views[name] = mixed[:, col:col + width].unflatten(1, x.shape[1:])
+        col += width
+        assert torch.equal(views[name], x) and not views[name].is_contiguous()
+        assert rows_in_place(views[name]) is views[name]  # read in place, not copied
+    return {**rows, **views}
+
+
 def _api_case(state_dtype) -> None:
     g = torch.Generator().manual_seed(7)
     HK, HV, K, V, S, n = 1, 2, 32, 64, 3, 3  # S = 3: not a power of two
@@ -97,7 +114,9 @@ def _api_case(state_dtype) -> None:
         rows = random_rows(g, T, HK, HV, K, V)
         outs = {}
         for impl, (st, rec, fl) in pools.items():
-            outs[impl] = onepage_spec_step(**rows, A_log=A_log, dt_bias=dt_bias, ssm_state=st,
+            # the fused kernel reads vLLM's packed layout in place on even steps
+            given = packed_rows(rows) if impl == "fused" and step % 2 == 0 else rows
+            outs[impl] = onepage_spec_step(**given, A_log=A_log, dt_bias=dt_bias, ssm_state=st,
                                            record=rec, flag=fl, state_indices=pages,
                                            num_accepted=acc, cu_seqlens=cu, impl=impl)
         live = torch.repeat_interleave(pages != 0, lens)
@@ -124,7 +143,8 @@ def _api_case(state_dtype) -> None:
             for _, _, fl in pools.values():
                 clear_flags(fl, pages)
     assert int(pools["fused"][2][2, 0]) > 0  # a live record was kept
-    print(f"api case {state_dtype}: K != V, S = 3, null page, zero-length step, 4 steps",
+    print(f"api case {state_dtype}: K != V, S = 3, null page, zero-length step, 4 steps, "
+          "packed q | k | v rows read in place",
           flush=True)
 
 
