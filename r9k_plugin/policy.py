@@ -149,6 +149,24 @@ def gdn_inplace() -> bool:
     return value == "1"
 
 
+# vLLM builds these models' GDN layers with gqa_interleaved_layout=True (qwen3_next.py)
+INTERLEAVED_GDN_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM"})
+
+
+def fused_mtp_ruled_out(vllm_config: Any) -> bool:
+    """Config facts under which vLLM (0.32-0.34, `_fused_gdn_decode_unsupported_reason`) never
+    takes NVIDIA's fused MTP decode, whatever VLLM_GDN_DECODE_KERNEL says: Qwen3-Next's
+    interleaved layout, a model dtype other than bf16, GDN head dims other than 128. (The rest
+    of vLLM's test, state dtypes, the GPU and the built op, is not read here.)"""
+    import torch
+
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    dims = (getattr(text, "linear_key_head_dim", None), getattr(text, "linear_value_head_dim", None))
+    return (mc.architecture in INTERLEAVED_GDN_ARCHITECTURES
+            or getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16 or dims != (128, 128))
+
+
 def spec_decode_path(vllm_config: Any, onepage: bool) -> str:
     """What runs the GDN spec-decode step: vLLM's own kernels (stock pages) or the plugin's."""
     if not onepage:
@@ -156,7 +174,8 @@ def spec_decode_path(vllm_config: Any, onepage: bool) -> str:
     if vllm_config.device_config.device_type == "cpu":
         return "r9k-cpu"
     path = f"r9k-{gdn_step_mode()}"
-    if os.environ.get(VLLM_DECODE_KERNEL_ENV, "cuda").strip().lower() == "cuda":
+    if (os.environ.get(VLLM_DECODE_KERNEL_ENV, "cuda").strip().lower() == "cuda"
+            and not fused_mtp_ruled_out(vllm_config)):
         # one-page keeps its pages and its own step where vLLM would take NVIDIA's fused MTP
         # decode (fused_gdn_decode_post_conv_mtp), which writes per-candidate states
         path += f" (in place of {VLLM_DECODE_KERNEL_ENV}=cuda)"

@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from r9k import capacity as cap
 from r9k import page_layout as pl
@@ -61,7 +62,8 @@ def _cfg(**over):
         else None,
         cache_config=SimpleNamespace(mamba_cache_mode=base["mode"]),
         device_config=SimpleNamespace(device_type=base.get("device", "cuda")),
-        model_config=SimpleNamespace(architecture=base["arch"], hf_text_config=base["text"]),
+        model_config=SimpleNamespace(architecture=base["arch"], hf_text_config=base["text"],
+                                     dtype=base.get("dtype", torch.bfloat16)),
         parallel_config=SimpleNamespace(tensor_parallel_size=base["tp"]))
 
 
@@ -124,6 +126,11 @@ def test_page_mode_says_what_runs_the_spec_decode(monkeypatch):
         "r9k-fused (in place of VLLM_GDN_DECODE_KERNEL=cuda)"
     assert spec_decode_path(_cfg(), onepage=False) == "vllm"
     assert spec_decode_path(_cfg(device="cpu"), onepage=True) == "r9k-cpu"
+    # where vLLM would fall back to its Triton recurrence anyway, nothing is said to be replaced
+    small = SimpleNamespace(linear_key_head_dim=64, linear_value_head_dim=128,
+                            linear_num_key_heads=16, linear_num_value_heads=48)
+    for cfg in (_cfg(arch="Qwen3NextForCausalLM"), _cfg(dtype=torch.float16), _cfg(text=small)):
+        assert spec_decode_path(cfg, onepage=True) == "r9k-fused"
     monkeypatch.setenv("VLLM_GDN_DECODE_KERNEL", "triton")
     monkeypatch.setenv("R9K_GDN_STEP", "composed")
     assert spec_decode_path(_cfg(), onepage=True) == "r9k-composed"
