@@ -52,7 +52,7 @@ def bind_routed_forward_core(layer):
         routed_recurrence, layer, impl, stock.__globals__[RECURRENCE])
     routed = types.FunctionType(stock.__code__, namespace, stock.__name__, stock.__defaults__,
                                 stock.__closure__)
-    layer.onepage_inplace = impl == "fused" and gdn_inplace()
+    layer.onepage_inplace = gdn_inplace() and impl == "fused"  # read (and checked) either way
     layer.onepage_spec_rows = None  # the spec conv's output, while _forward_core runs
     layer.onepage_spec_out = None  # core_attn_out's rows on spec-only steps
     if layer.onepage_inplace:
@@ -115,7 +115,8 @@ def routed_recurrence(layer, impl, stock_recurrence, *, q, k, v, a, b, A_log, dt
     n = cu_seqlens.numel() - 1
     q = q.squeeze(0)
     out = layer.onepage_spec_out
-    if out is not None and (out.shape[0] != q.shape[0] or out.dtype != v.dtype):
+    if out is not None and (out.shape != (q.shape[0],) + tuple(v.shape[-2:])
+                            or out.dtype != v.dtype or not out.is_contiguous()):
         out = None
     out = onepage_spec_step(
         q=q, k=k.squeeze(0), v=v.squeeze(0), a=a, b=b, A_log=A_log,

@@ -55,6 +55,7 @@ LIGHT = (1, 2, 4)
 # vLLM's q/k/v and output copies, as before stop 35 (R9K_GDN_INPLACE=0)
 ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"}),
         "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"})}
+ARM_VARIABLES = ("VLLM_GDN_DECODE_KERNEL", "R9K_GDN_INPLACE")
 PROFILE = {"name": "profile", "kind": "profile", "prompt_tokens": PROMPT_TOKENS,
            "max_tokens": 96, "warm_steps": 12, "steps": 16, "seed": 700}
 
@@ -142,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
+    for name in ARM_VARIABLES:  # an arm's environment is what it says, not the caller's shell
+        if os.environ.pop(name, None) is not None:
+            log(f"{name} unset: each arm sets what it runs")
     work = pathlib.Path(args.workdir)
     os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
@@ -243,7 +247,9 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                 "running_max": max(x["running_max"] for x in ls),
                 "kv_usage_per_running": statistics.mean(x["kv_usage_per_running"] for x in ls),
                 "preemptions": [x["preemptions"] for x in ls],
-                "acceptance_hist": [sum(col) for col in zip(*(x["acceptance_hist"] for x in ls))],
+                # per repeat (the modes may have run different numbers of engines)
+                "acceptance_hist": [round(sum(col) / len(ls), 1)
+                                    for col in zip(*(x["acceptance_hist"] for x in ls))],
                 "repeats": len(ls)}
         ratios = [by["onepage"][r]["loads"][name]["output_tok_per_s"]
                   / by["stock"][r]["loads"][name]["output_tok_per_s"] for r in pairs
@@ -312,7 +318,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            f"{meta.get('requests_per_point', 4)} requests per point.", "",
            "| concurrency | tok/s stock | tok/s one-page | one-page/stock (mean, min-max) | "
            "running stock / one-page (mean, max) | pool per running request | TTFT p50 s | "
-           "TPOT p50 ms | preemptions | acceptance (stock = one-page?) |",
+           "TPOT p50 ms | preemptions | acceptance per repeat (stock = one-page?) |",
            "|" + "---|" * 10]
     for r in summary["rows"]:
         if "stock" not in r or "onepage" not in r:
@@ -330,7 +336,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{s['preemptions']} / {o['preemptions']} | "
             f"{'same' if s['acceptance_hist'] == o['acceptance_hist'] else str(s['acceptance_hist']) + ' / ' + str(o['acceptance_hist'])} |")
     arms = summary.get("arms") or []
-    if len(arms) > 2:
+    if set(arms) != {"stock", "onepage"}:  # the table above pairs those two only
         ratio_names = list(summary["arm_rows"][0]["ratios"]) if summary["arm_rows"] else []
         out += ["", "Every arm (mean over repeats; ratios: per repeat, mean (min-max)):", "",
                 "| concurrency | " + " | ".join(f"{a} tok/s, TPOT p50 ms" for a in arms) + " | "

@@ -183,27 +183,31 @@ def spec_only_step(inplace: str):
     finally:
         stock_gdn.causal_conv1d_update = STOCK_CONV
         del os.environ["R9K_GDN_INPLACE"]
+    # CUDA-graph padding as vLLM's builder lays it out: 2 padded tokens inside
+    # num_actual_tokens that no sequence covers (the step sees the 3 real sequences only)
     md5 = object.__new__(GDNAttentionMetadata)
     md5.__dict__.update(md.__dict__, non_spec_query_start_loc=None, spec_token_indx=None,
                         non_spec_token_indx=None, non_spec_state_indices_tensor=None,
-                        num_actual_tokens=T, num_decodes=0, num_decode_tokens=0)
+                        num_actual_tokens=T + 2, num_decodes=0, num_decode_tokens=0)
     seen, real = [], gdn_gpu.onepage_spec_step
 
     def spy(**kw):
         seen.append((kw["q"].stride(0), kw["out"]))
         return real(**kw)
 
-    out5 = torch.zeros(T + 2, HV, V, dtype=torch.bfloat16)  # CUDA-graph padding rows at the end
+    out5 = torch.zeros(T + 4, HV, V, dtype=torch.bfloat16)  # rows past the step's tokens too
+    pad = 2
+    b5, a5 = (torch.cat([x, torch.randn(pad, HV).bfloat16()]) for x in (b, a))
     gdn_gpu.onepage_spec_step = spy
     fc._forward_context = types.SimpleNamespace(attn_metadata={FakeLayer.prefix: md5})
     try:
-        gdn_gpu.onepage_forward_core(layer5, mixed_qkv[:T].clone(), b, a, out5)
+        gdn_gpu.onepage_forward_core(layer5, mixed_qkv[:T + pad].clone(), b5, a5, out5)
     finally:
         fc._forward_context = None
         gdn_gpu.onepage_spec_step = real
     assert layer5.onepage_spec_rows is None and layer5.onepage_spec_out is None
-    assert not out5[T:].any()
-    return seen, out5[:T], layer5.kv_cache[1:]
+    assert not out5[T + pad:].any()  # past num_actual_tokens: never written
+    return seen, out5, layer5.kv_cache[1:]
 
 
 ssm6, rec6, flag6 = pools()
@@ -218,8 +222,9 @@ assert seen_on[0][1] is not None and seen_on[0][1].data_ptr() == out_on.data_ptr
 # R9K_GDN_INPLACE=0: stock's packed copies and its own output tensor, as before
 assert len(seen_off) == 1 and seen_off[0] == (HK * K, None), seen_off
 for got6, pages6 in ((out_on, pages_on), (out_off, pages_off)):
-    assert torch.equal(got6, want6)
+    assert torch.equal(got6[:T], want6)  # the real rows, bit for bit
     assert all(torch.equal(x, y) for x, y in zip(pages6, (ssm6, rec6, flag6)))
+assert not out_on[T:].any()  # in place, padded rows keep core_attn_out's zeros
 print("spec-only step in place")
 
 # a non-spec decode on a live page: one replayed row, then the stock call, and the flag cleared

@@ -77,11 +77,13 @@ def random_rows(g, T: int, HK: int, HV: int, K: int, V: int) -> dict:
 
 def packed_rows(rows: dict) -> dict:
     """The same rows as vLLM hands them over: q, k and v column slices of one packed conv
-    output [T, q | k | v] (rows at the packed stride, each row's heads contiguous)."""
+    output [T, q | k | v | z] (Qwen3.5's conv runs on a column slice of [q | k | v | z], so a
+    row's stride is wider than q | k | v; each row's heads contiguous)."""
     from r9k.kernels.triton_fused import rows_in_place
 
     qkv = [rows[n] for n in ("q", "k", "v")]
-    mixed = torch.cat([x.flatten(1) for x in qkv], dim=1)
+    z = torch.full((qkv[0].shape[0], 3 * qkv[2].shape[2]), float("nan"), dtype=qkv[0].dtype)
+    mixed = torch.cat([x.flatten(1) for x in qkv] + [z], dim=1)
     views, col = {}, 0
     for name, x in zip(("q", "k", "v"), qkv):
         width = x.shape[1] * x.shape[2]
