@@ -2,7 +2,8 @@
 
 Three steps, one script:
 
-    # build machine (no GPU): what a run takes along, < 60 MiB, into .gpuengine/
+    # build machine (no GPU): what a run takes along into .gpuengine/ (with the checkout, at
+    # most 64 MiB: `stage` checks); after a code change `stage --plugin-only` rebuilds the plugin
     python bench/scripts/gpu_engine.py stage --vllm-wheel vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl
     # GPU machine (CUDA test machine: torch, Triton, no vLLM, no network), from the checkout root
     python3 bench/scripts/gpu_engine.py run --stage .gpuengine --plan matrix --out DIR
@@ -450,16 +451,86 @@ SKIP_IN_WHEEL = ("vllm/third_party/fmha_sm100/", "vllm/third_party/deep_gemm/inc
                  "vllm/vllm-rs")
 
 
+CARRY_LIMIT = 64 * MIB  # what one GPU run takes along: the checkout's files and the stage
+PLUGIN_WHEEL = "r9700_stack-*.whl"
+
+
+def carried_bytes(repo: pathlib.Path, stage_dir: pathlib.Path) -> int:
+    """What a GPU run takes of the checkout besides the stage: tracked files and untracked ones
+    git does not ignore."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
+                          "--exclude-standard"], check=True, capture_output=True).stdout
+    stage_dir = stage_dir.resolve()
+    files = [(repo / n).resolve() for n in out.decode().split("\0") if n]
+    return sum(f.stat().st_size for f in files
+               if f.is_file() and not f.is_relative_to(stage_dir))
+
+
+def check_carry(dest: pathlib.Path, repo: pathlib.Path = REPO) -> str:
+    """The stage and the checkout together against the carry limit: a clear stop on the build
+    machine, not a GPU call that starts engines without a wheel (stop 35 lost one so)."""
+    stage_b = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    tree_b = carried_bytes(repo, dest)
+    line = (f"{dest}: {stage_b / MIB:.1f} MiB, with the checkout's {tree_b / MIB:.1f} MiB "
+            f"{(stage_b + tree_b) / MIB:.1f} of the {CARRY_LIMIT // MIB} MiB a GPU run takes along "
+            f"({(CARRY_LIMIT - stage_b - tree_b) / MIB:.1f} MiB to spare; a Triton cache saved "
+            "by a run, put in the stage, is a few MiB)")
+    if stage_b + tree_b > CARRY_LIMIT:
+        raise SystemExit(line + ": over; drop the Triton cache or untracked files, or restage")
+    return line
+
+
+def pack_wheels(src: pathlib.Path, dest: pathlib.Path) -> None:
+    """The downloaded wheels (src/whl, src/whl_maybe) as one tar.xz of uncompressed zips: xz
+    then compresses their contents together (19.8 -> 12.2 MB for 0.32's set, where the
+    wheels' own deflate leaves them). pip installs the unpacked wheels as they are (a wheel's
+    RECORD hashes its files, not their compression)."""
+    import io
+    import lzma
+
+    with tarfile.open(dest, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tf:
+        for sub in ("whl", "whl_maybe"):
+            for w in sorted((src / sub).glob("*.whl")):
+                buf = io.BytesIO()
+                with zipfile.ZipFile(w) as zin, zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zout:
+                    for info in zin.infolist():
+                        zout.writestr(info, zin.read(info), compress_type=zipfile.ZIP_STORED)
+                ti = tarfile.TarInfo(f"{sub}/{w.name}")
+                ti.size, ti.mode = buf.tell(), 0o644
+                buf.seek(0)
+                tf.addfile(ti, buf)
+
+
+def build_plugin_wheel(dest: pathlib.Path) -> None:
+    """The plugin's wheel from this checkout's working tree into dest/whl (the one there
+    replaced): `stage --plugin-only` after a code change, without re-staging vLLM."""
+    (dest / "whl").mkdir(parents=True, exist_ok=True)
+    for old in (dest / "whl").glob(PLUGIN_WHEEL):
+        old.unlink()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(dest / "whl"), str(REPO)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shutil.rmtree(REPO / "build", ignore_errors=True)
+
+
 def stage(args: argparse.Namespace) -> None:
     import lzma
 
+    dest = pathlib.Path(args.dest)
+    if args.plugin_only:
+        if not (dest / "vllm_py.tar.xz").exists():
+            raise SystemExit(f"--plugin-only: {dest} holds no staged vLLM; stage it first")
+        build_plugin_wheel(dest)
+        print(check_carry(dest))
+        return
+    if not args.vllm_wheel:
+        raise SystemExit("stage: --vllm-wheel is required (or --plugin-only)")
     sys.path.insert(0, str(HERE))
     import fatbin_trim
 
-    dest = pathlib.Path(args.dest)
     for sub in ("so", "whl", "whl_maybe"):
         shutil.rmtree(dest / sub, ignore_errors=True)
-        (dest / sub).mkdir(parents=True)
+    (dest / "so").mkdir(parents=True)
     wheel = zipfile.ZipFile(args.vllm_wheel)
     print("1/4 vLLM's Python files")
     with tarfile.open(dest / "vllm_py.tar.xz", "w:xz", preset=6) as tf:
@@ -479,27 +550,24 @@ def stage(args: argparse.Namespace) -> None:
         print(f"   {name}: kept {kept:,} B, zero-filled {zeroed:,} B")
         with lzma.open(dest / "so" / f"{name}.abi3.so.xz", "wb", preset=6) as f:
             f.write(data)
-    print("3/4 wheels the GPU image lacks (cp312)")
+    print("3/4 wheels the GPU image lacks (cp312), packed")
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.12", "--implementation", "cp"]
     for plat in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                  "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                  "manylinux1_x86_64"):
         pip += ["--platform", plat]
-    subprocess.run(pip + ["-d", str(dest / "whl"), *STAGE_WHEELS], check=True)
     release = pathlib.Path(args.vllm_wheel).name.split("-")[1]
     later = tuple(int(x) for x in release.split(".")[:2]) >= (0, 33)
-    subprocess.run(pip + ["-d", str(dest / "whl_maybe"), *STAGE_WHEELS_MAYBE,
-                          *(STAGE_WHEELS_MAYBE_033 if later else [])], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = pathlib.Path(tmp)
+        subprocess.run(pip + ["-d", str(got / "whl"), *STAGE_WHEELS], check=True)
+        subprocess.run(pip + ["-d", str(got / "whl_maybe"), *STAGE_WHEELS_MAYBE,
+                              *(STAGE_WHEELS_MAYBE_033 if later else [])], check=True)
+        pack_wheels(got, dest / "wheels.tar.xz")
     print("4/4 the plugin's wheel, from this checkout's working tree")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(dest / "whl"), str(REPO)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shutil.rmtree(REPO / "build", ignore_errors=True)
-    total = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-    print(f"{dest}: {total / MIB:.1f} MiB")
-    if total > 60 * MIB:
-        raise SystemExit(f"{dest} is {total / MIB:.1f} MiB: a GPU run takes at most 64 MiB")
+    build_plugin_wheel(dest)
+    print(check_carry(dest))
 
 
 # --- the GPU side ----------------------------------------------------------------------------------
@@ -543,11 +611,19 @@ def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
 
     shutil.rmtree(site, ignore_errors=True)
     site.mkdir(parents=True)
+    wheels = [stage_dir]  # stage dirs before stop 36 hold the wheels as files
+    if (stage_dir / "wheels.tar.xz").exists():
+        unpacked = site.parent / (site.name + "-wheels")
+        shutil.rmtree(unpacked, ignore_errors=True)
+        with tarfile.open(stage_dir / "wheels.tar.xz") as tf:
+            tf.extractall(unpacked, filter="data")
+        wheels.append(unpacked)
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--no-cache-dir", "--target", str(site)]
-    subprocess.run(pip + [str(w) for w in sorted((stage_dir / "whl").glob("*.whl"))], check=True)
+    subprocess.run(pip + [str(w) for d in wheels for w in sorted((d / "whl").glob("*.whl"))],
+                   check=True)
     maybe = []
-    for w in sorted((stage_dir / "whl_maybe").glob("*.whl")):
+    for w in sorted(w for d in wheels for w in (d / "whl_maybe").glob("*.whl")):
         name, version = w.name.split("-")[:2]
         try:
             have = metadata.version(name)
@@ -586,7 +662,7 @@ def save_caches(out: pathlib.Path, log) -> None:
     if not src.is_dir():
         return
     keep = (".json", ".cubin", ".hsaco", ".so")
-    with tarfile.open(out / "triton_cache.tar.xz", "w:xz", preset=6) as tf:
+    with tarfile.open(out / "triton_cache.tar.xz", "w:xz", preset=9) as tf:
         for f in sorted(src.rglob("*")):
             if f.is_file() and (f.suffix in keep):
                 tf.add(f, str(f.relative_to(src)))
@@ -705,8 +781,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stage", help="build what a GPU run takes along (build machine)")
-    s.add_argument("--vllm-wheel", required=True,
+    s.add_argument("--vllm-wheel",
                    help="vLLM's CUDA wheel: 0.32.0 (proven), 0.33.0 or 0.34.0 (r9k.compat)")
+    s.add_argument("--plugin-only", action="store_true",
+                   help="rebuild only the plugin's wheel in an existing stage (after a change)")
     s.add_argument("--dest", default=str(REPO / ".gpuengine"))
     s.add_argument("--sm", type=int, default=90, help="CUDA architecture to keep (90: H100/H200)")
     r = sub.add_parser("run", help="run the engines (GPU machine)")

@@ -217,3 +217,75 @@ def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
     warm = by_name["pc-warm"]["prompts"]
     assert len(warm[1]) > 3 * 448 and warm[1][:3 * 448] == warm[0][:3 * 448]
     assert [len(p) for p in by_name["pc-cold"]["prompts"][1:]] == [442, 890, 1338]
+
+
+def _wheel(path: Path, name: str, body: bytes) -> None:
+    """A minimal pure-Python wheel, deflated as pip downloads them."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {f"{name}/__init__.py": body,
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+             f"{name}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
+                     for n, d in files.items()) + f"{name}-1.0.dist-info/RECORD,,\n"
+    files[f"{name}-1.0.dist-info/RECORD"] = record.encode()
+    with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+
+
+def test_packed_wheels_install_as_downloaded(ge, tmp_path):
+    """The stage packs the downloaded wheels as uncompressed zips in one tar.xz (xz compresses
+    their contents together); what pip installs from them is what the downloaded ones hold."""
+    import subprocess
+    import tarfile
+    import zipfile
+
+    got = tmp_path / "got"
+    for sub, name in (("whl", "alpha"), ("whl_maybe", "beta")):
+        (got / sub).mkdir(parents=True)
+        _wheel(got / sub, name, (f"VALUE = {name!r}\n" * 400).encode())
+    packed = tmp_path / "wheels.tar.xz"
+    ge.pack_wheels(got, packed)
+    with tarfile.open(packed) as tf:
+        assert sorted(tf.getnames()) == ["whl/alpha-1.0-py3-none-any.whl",
+                                         "whl_maybe/beta-1.0-py3-none-any.whl"]
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    for sub, name in (("whl", "alpha"), ("whl_maybe", "beta")):
+        w = tmp_path / "unpacked" / sub / f"{name}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(w) as z, zipfile.ZipFile(got / sub / w.name) as orig:
+            assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+            assert {n: z.read(n) for n in z.namelist()} == {n: orig.read(n) for n in orig.namelist()}
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--target", str(tmp_path / "site"), str(w)], check=True)
+        assert (tmp_path / "site" / name / "__init__.py").read_bytes() == \
+            (f"VALUE = {name!r}\n" * 400).encode()
+    assert packed.stat().st_size < sum(f.stat().st_size for f in got.rglob("*.whl"))
+
+
+def test_the_stage_is_held_to_the_carry_limit_with_the_checkout(ge, tmp_path, monkeypatch):
+    """A GPU run takes the checkout's files and the stage, 64 MiB in all: `stage` stops on the
+    build machine when they do not fit (a stage cut to fit once dropped a wheel vLLM imports)."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/ignored/\n")
+    (repo / "src" / "tracked.bin").write_bytes(b"t" * 3000)
+    (repo / "untracked.bin").write_bytes(b"u" * 2000)       # carried: git does not ignore it
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "big.bin").write_bytes(b"i" * 50_000)  # not carried
+    subprocess.run(["git", "-C", str(repo), "add", "src", ".gitignore"], check=True)
+    stage = repo / "stage"  # inside the checkout, not ignored: counted once, as the stage
+    stage.mkdir()
+    (stage / "vllm_py.tar.xz").write_bytes(b"s" * 4000)
+    tree = ge.carried_bytes(repo, stage)
+    assert tree == 3000 + 2000 + len("/ignored/\n")
+    monkeypatch.setattr(ge, "CARRY_LIMIT", tree + 4000)
+    assert "of the 0 MiB" in ge.check_carry(stage, repo)  # exactly at the limit: fits
+    monkeypatch.setattr(ge, "CARRY_LIMIT", tree + 3999)
+    with pytest.raises(SystemExit, match="over; drop the Triton cache"):
+        ge.check_carry(stage, repo)
