@@ -165,6 +165,22 @@ def faults() -> dict:
              "{{instance}} {{source}}")]),
         PanelSpec("timeseries", "Exporters up", (0, 40, 12, 8), [
             (f'up{{job="r9k-exporter",{HOST}}}', "{{instance}}")]),
+        # the MES event log watch (GpuMesLogStalled): what the alert reads, and whether it can
+        PanelSpec("timeseries", "MES event log unchanged", (12, 40, 12, 8), [
+            (f"r9k_gpu_mes_log_unchanged_seconds{{{CARD}}}", "{{instance}} {{bdf}}")], unit="s",
+            description="Seconds since the card's MES event log (debugfs) last changed. GpuMesLogStalled "
+                        "fires at 300 s while the card reads at least 50% busy: on gfx1201 MES has gone "
+                        "silent like this minutes before a MES timeout and reset."),
+        PanelSpec("stat", "Hosts whose exporter cannot read debugfs", (0, 48, 6, 8), [
+            (f"count(r9k_host_debugfs_readable{{{HOST}}} == 0) or vector(0)", "unreadable")],
+            no_value="0", description="No MES log watch on these hosts: debugfs not mounted, or root-only "
+                                      "and the exporter not root (--debugfs)."),
+        PanelSpec("table", "MES event log per card (1 = yes)", (6, 48, 18, 8), [
+            (f"r9k_gpu_mes_log_enabled{{{CARD}}}", "enabled {{instance}} {{bdf}}"),
+            (f"r9k_gpu_mes_log_readable{{{CARD}}}", "readable {{instance}} {{bdf}}")],
+            description="enabled 0: amdgpu made no log (amdgpu.mes_log_enable=0), no watch for that card; "
+                        "readable 0: the log did not parse as amdgpu's hex dump (counted as debugfs scrape "
+                        "errors)."),
     ])
 
 
