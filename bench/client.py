@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from r9k.bench.client import EndpointError, RequestResult, complete, drive, new_session, probe
+from r9k.bench.client import EndpointError, RequestResult, complete, drive, new_session
 from r9k.bench.stats import summarize
 
 WORDS = ("apple river stone cloud page state row slot draft verify accept replay token kernel "

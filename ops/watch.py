@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -41,7 +41,7 @@ from r9k.ops import sysfs
 from r9k.ops.config import hook_problem
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
-    DEFAULT_FAULT_EVENTS, LastEvent, StateFileError, atomic_write_json, beat, cap_message, read_card_states,
+    DEFAULT_FAULT_EVENTS, LastEvent, atomic_write_json, beat, cap_message, read_card_states,
     record_host_event, update_card_state,
 )
 
