@@ -255,6 +255,11 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                 "running_max": max(x["running_max"] for x in ls),
                 "kv_usage_per_running": statistics.mean(x["kv_usage_per_running"] for x in ls),
                 "preemptions": [x["preemptions"] for x in ls],
+                # engine steps: throughput = output tokens per step / step time
+                "step_ms": statistics.mean(x["wall_s"] / x["steps"] * 1e3 for x in ls)
+                if all(x.get("steps") for x in ls) else None,
+                "tokens_per_step": statistics.mean(x["output_tokens"] / x["steps"] for x in ls)
+                if all(x.get("steps") for x in ls) else None,
                 # per repeat (the modes may have run different numbers of engines)
                 "acceptance_hist": [round(sum(col) / len(ls), 1)
                                     for col in zip(*(x["acceptance_hist"] for x in ls))],
@@ -358,6 +363,19 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{s['tpot_p50_s'] * 1e3:.2f} / {o['tpot_p50_s'] * 1e3:.2f} | "
             f"{s['preemptions']} / {o['preemptions']} | "
             f"{'same' if s['acceptance_hist'] == o['acceptance_hist'] else str(s['acceptance_hist']) + ' / ' + str(o['acceptance_hist'])} |")
+    steps = [r for r in summary["rows"] if "stock" in r and "onepage" in r
+             and r["stock"].get("step_ms") and r["onepage"].get("step_ms")]
+    if steps:
+        out += ["", "Engine steps (a load's wall time over the steps the engine took; output "
+                "tokens/s = tokens per step / step time, so running more requests pays only "
+                "where steps do not grow as much):", "",
+                "| concurrency | ms per step, stock / one-page | one-page/stock step time | "
+                "output tokens per step, stock / one-page |", "|---|---|---|---|"]
+        for r in steps:
+            s_, o_ = r["stock"], r["onepage"]
+            out.append(f"| {r['concurrency']} | {s_['step_ms']:.2f} / {o_['step_ms']:.2f} | "
+                       f"{o_['step_ms'] / s_['step_ms']:.2f} | "
+                       f"{s_['tokens_per_step']:.2f} / {o_['tokens_per_step']:.2f} |")
     arms = summary.get("arms") or []
     if set(arms) != {"stock", "onepage"}:  # the table above pairs those two only
         ratio_names = list(summary["arm_rows"][0]["ratios"]) if summary["arm_rows"] else []

@@ -44,6 +44,10 @@ def test_summary_pairs_repeats_and_reports_spread(gp):
                _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192),
                {"mode": "stock", "repeat": 2, "ok": False, "error": "boom"}]
     engines[1]["loads"]["c16"]["acceptance_hist"] = [0, 0, 2, 4]
+    for e in engines[:4]:  # engine steps at 16: stock 2,048 of 6.5 ms, one-page 1,280 of 9.1 ms
+        n = 2048 if e["mode"] == "stock" else 1280
+        e["loads"]["c16"].update(steps=n, wall_s=n * (6.5e-3 if e["mode"] == "stock" else 9.1e-3),
+                                 output_tokens=8192)
     engines[0]["loads"]["warm"] = dict(_load(4, 1, 4.0), acceptance_hist=[0, 0, 0, 99])  # not a load
     s = gp.summarize(meta, engines)
     c1, c16 = s["rows"]
@@ -61,6 +65,9 @@ def test_summary_pairs_repeats_and_reports_spread(gp):
     assert s["accepted_drafts_per_step"] == {"stock": pytest.approx(1 / 6),
                                              "onepage": pytest.approx(19 / 24)}
     assert "accepted per request step (mean over the loads, of 3): stock 0.17, onepage 0.79." in md
+    # steps: only where both modes have them (the c1 loads here have none)
+    assert c16["onepage"]["step_ms"] == pytest.approx(9.1) and c1["stock"]["step_ms"] is None
+    assert "| 16 | 6.50 / 9.10 | 1.40 | 4.00 / 6.40 |" in md and "| 1 | 4" not in md.split("Engine steps")[1]
 
 
 def test_sweep_loads_and_the_pool(gp, tiny_model, monkeypatch):
