@@ -451,6 +451,14 @@ SKIP_IN_WHEEL = ("vllm/third_party/fmha_sm100/", "vllm/third_party/deep_gemm/inc
                  "vllm/vllm-rs")
 
 
+def weights_sha256(model_dir: pathlib.Path) -> str:
+    """A model's weights file, hashed (16 hex digits): which make-tiny recipe a run used."""
+    import hashlib
+
+    with open(model_dir / "model.safetensors", "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 CARRY_LIMIT = 64 * MIB  # what one GPU run takes along: the checkout's files and the stage
 PLUGIN_WHEEL = "r9700_stack-*.whl"
 
@@ -461,7 +469,7 @@ def carried_bytes(repo: pathlib.Path, stage_dir: pathlib.Path) -> int:
     out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
                           "--exclude-standard"], check=True, capture_output=True).stdout
     stage_dir = stage_dir.resolve()
-    files = [(repo / n).resolve() for n in out.decode().split("\0") if n]
+    files = [(repo / n).resolve() for n in os.fsdecode(out).split("\0") if n]
     return sum(f.stat().st_size for f in files
                if f.is_file() and not f.is_relative_to(stage_dir))
 
@@ -482,7 +490,7 @@ def check_carry(dest: pathlib.Path, repo: pathlib.Path = REPO) -> str:
 
 def pack_wheels(src: pathlib.Path, dest: pathlib.Path) -> None:
     """The downloaded wheels (src/whl, src/whl_maybe) as one tar.xz of uncompressed zips: xz
-    then compresses their contents together (19.8 -> 12.2 MB for 0.32's set, where the
+    then compresses their contents together (19.8 -> 12.0 MB for 0.32's set, where the
     wheels' own deflate leaves them). pip installs the unpacked wheels as they are (a wheel's
     RECORD hashes its files, not their compression)."""
     import io
@@ -505,12 +513,18 @@ def build_plugin_wheel(dest: pathlib.Path) -> None:
     """The plugin's wheel from this checkout's working tree into dest/whl (the one there
     replaced): `stage --plugin-only` after a code change, without re-staging vLLM."""
     (dest / "whl").mkdir(parents=True, exist_ok=True)
-    for old in (dest / "whl").glob(PLUGIN_WHEEL):
-        old.unlink()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(dest / "whl"), str(REPO)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shutil.rmtree(REPO / "build", ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:  # the old wheel stays until a new one is built
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                                "--no-build-isolation", "-w", tmp, str(REPO)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        shutil.rmtree(REPO / "build", ignore_errors=True)
+        new = list(pathlib.Path(tmp).glob(PLUGIN_WHEEL))
+        if built.returncode != 0 or len(new) != 1:
+            raise SystemExit(f"the plugin's wheel did not build (pip exit {built.returncode}):\n"
+                             f"{built.stderr[-2000:]}")
+        for old in (dest / "whl").glob(PLUGIN_WHEEL):
+            old.unlink()
+        shutil.move(str(new[0]), dest / "whl" / new[0].name)
 
 
 def stage(args: argparse.Namespace) -> None:
@@ -620,8 +634,11 @@ def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
         wheels.append(unpacked)
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--no-cache-dir", "--target", str(site)]
-    subprocess.run(pip + [str(w) for d in wheels for w in sorted((d / "whl").glob("*.whl"))],
-                   check=True)
+    found = [w for d in wheels for w in sorted((d / "whl").glob("*.whl"))]
+    if not any(w.match(PLUGIN_WHEEL) for w in found):
+        raise SystemExit(f"{stage_dir}: no plugin wheel ({PLUGIN_WHEEL}) in the stage; "
+                         "rebuild it with `gpu_engine.py stage --plugin-only`")
+    subprocess.run(pip + [str(w) for w in found], check=True)
     maybe = []
     for w in sorted(w for d in wheels for w in (d / "whl_maybe").glob("*.whl")):
         name, version = w.name.split("-")[:2]
@@ -635,6 +652,8 @@ def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
         log(f"{name}: image {have}, carried {version}")
     if maybe:
         subprocess.run(pip + maybe, check=True)
+    for d in wheels[1:]:  # the unpacked wheels: installed now
+        shutil.rmtree(d, ignore_errors=True)
     with tarfile.open(stage_dir / "vllm_py.tar.xz") as tf:
         tf.extractall(site, filter="data")
     for f in sorted((stage_dir / "so").glob("*.so.xz")):
@@ -726,7 +745,10 @@ def run(args: argparse.Namespace) -> int:
         log(f"models made: {', '.join(MODELS)}")
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
-            "repeat": args.repeat}
+            "repeat": args.repeat,
+            # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b's GDN out_proj)
+            "model_weights_sha256": {name: weights_sha256(models / name) for name in MODELS
+                                     if (models / name / "model.safetensors").exists()}}
     log(f"versions {meta}")
     set_planner_vllm(meta["vllm"])
     cells = runnable_cells(PLANS[args.plan](), meta["vllm"], log)

@@ -29,7 +29,6 @@ planner's whole-request counts beside what ran.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -174,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
     # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b-deep's MTP acceptance)
-    with open(model / "model.safetensors", "rb") as f:
-        weights_sha256 = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    weights_sha256 = ge.weights_sha256(model)
     versions = ge.versions()
     ge.set_planner_vllm(versions["vllm"])
     kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
@@ -272,9 +270,11 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                                           "max": max(ratios), "pairs": len(ratios)} if ratios else None})
     return {"rows": rows, "planner": meta["planner"],
             "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by},
-            "accepted_drafts_per_step": {m: accepted_per_step(
-                [e["loads"][n]["acceptance_hist"] for e in by[m].values() for n in e["loads"]
-                 if n != "warm"]) for m in by},
+            # every arm that ran (its engines are recorded under the arm's name)
+            "accepted_drafts_per_step": {a: accepted_per_step(
+                [e["loads"][n]["acceptance_hist"] for e in ok if e["mode"] == a
+                 for n in e["loads"] if n != "warm"])
+                for a in meta.get("arms") or ["stock", "onepage"] if any(e["mode"] == a for e in ok)},
             **arms_summary(meta, ok)}
 
 
@@ -341,7 +341,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}. "
            f"max_num_seqs: {meta.get('max_num_seqs', 'concurrency')}; at least "
            f"{meta.get('requests_per_point', 4)} requests per point. MTP drafts accepted per "
-           f"request step (mean over the loads, of {meta['k']}): "
+           f"request step (of {meta['k']}, over every step of the loads): "
            + ", ".join(f"{m} {v:.2f}" if v is not None else f"{m} -" for m, v in
                        summary.get("accepted_drafts_per_step", {}).items()) + ".", "",
            "| concurrency | tok/s stock | tok/s one-page | one-page/stock (mean, min-max) | "

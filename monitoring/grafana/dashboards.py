@@ -16,6 +16,7 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders import bargauge, common, dashboard, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.models.common import StackingMode
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import (Dashboard, DataSourceRef, GridPos, VariableOption,
@@ -55,8 +56,11 @@ def _panel(panel_id: int, spec: PanelSpec):
     builder = (PANEL_BUILDERS[spec.kind]().id(panel_id).title(spec.title).datasource(DATASOURCE)
                .grid_pos(GridPos(x=x, y=y, w=w, h=h)))
     for i, (expr, legend) in enumerate(spec.targets):
-        builder = builder.with_target(prometheus.Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
-                                      .legend_format(legend).datasource(DATASOURCE))
+        query = (prometheus.Dataquery().ref_id(chr(ord("A") + i)).expr(expr)
+                 .legend_format(legend).datasource(DATASOURCE))
+        if spec.kind == "table":  # one row per series with its labels, not a series picker
+            query = query.instant().format(PromQueryFormat.TABLE)
+        builder = builder.with_target(query)
     if spec.unit:
         builder = builder.unit(spec.unit)
     if spec.description:
@@ -176,11 +180,12 @@ def faults() -> dict:
             no_value="0", description="No MES log watch on these hosts: debugfs not mounted, or root-only "
                                       "and the exporter not root (--debugfs)."),
         PanelSpec("table", "MES event log per card (1 = yes)", (6, 48, 18, 8), [
-            (f"r9k_gpu_mes_log_enabled{{{CARD}}}", "enabled {{instance}} {{bdf}}"),
-            (f"r9k_gpu_mes_log_readable{{{CARD}}}", "readable {{instance}} {{bdf}}")],
+            (f'label_replace(r9k_gpu_mes_log_enabled{{{CARD}}}, "log", "enabled", "", "") or '
+             f'label_replace(r9k_gpu_mes_log_readable{{{CARD}}}, "log", "readable", "", "")',
+             "{{instance}} {{bdf}} {{log}}")],
             description="enabled 0: amdgpu made no log (amdgpu.mes_log_enable=0), no watch for that card; "
-                        "readable 0: the log did not parse as amdgpu's hex dump (counted as debugfs scrape "
-                        "errors)."),
+                        "readable 0: the log could not be read or did not parse as amdgpu's hex dump "
+                        "(counted as debugfs scrape errors)."),
     ])
 
 

@@ -289,3 +289,22 @@ def test_the_stage_is_held_to_the_carry_limit_with_the_checkout(ge, tmp_path, mo
     monkeypatch.setattr(ge, "CARRY_LIMIT", tree + 3999)
     with pytest.raises(SystemExit, match="over; drop the Triton cache"):
         ge.check_carry(stage, repo)
+
+
+def test_a_plugin_wheel_that_fails_to_build_keeps_the_old_one(ge, tmp_path, monkeypatch):
+    """`stage --plugin-only` swaps the plugin's wheel in only once the new one built; a stage
+    without one stops the GPU run before any engine starts (stop 35 lost a call to a stage
+    missing a wheel)."""
+    dest = tmp_path / "stage"
+    (dest / "whl").mkdir(parents=True)
+    old = dest / "whl" / "r9700_stack-0.1.0-py3-none-any.whl"
+    old.write_bytes(b"old wheel")
+    monkeypatch.setattr(ge, "REPO", tmp_path / "not-a-project")
+    (tmp_path / "not-a-project").mkdir()
+    with pytest.raises(SystemExit, match="the plugin's wheel did not build"):
+        ge.build_plugin_wheel(dest)
+    assert old.read_bytes() == b"old wheel"
+    old.unlink()
+    _wheel(dest / "whl", "alpha", b"VALUE = 1\n")
+    with pytest.raises(SystemExit, match=r"no plugin wheel \(r9700_stack-\*\.whl\) in the stage"):
+        ge.setup_site(dest, tmp_path / "site", print)

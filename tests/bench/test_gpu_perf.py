@@ -64,7 +64,7 @@ def test_summary_pairs_repeats_and_reports_spread(gp):
     # four loads [5, 1, 0, 0]; one-page's three of those and [0, 0, 2, 4]: 19 of 24 steps' drafts
     assert s["accepted_drafts_per_step"] == {"stock": pytest.approx(1 / 6),
                                              "onepage": pytest.approx(19 / 24)}
-    assert "accepted per request step (mean over the loads, of 3): stock 0.17, onepage 0.79." in md
+    assert "accepted per request step (of 3, over every step of the loads): stock 0.17, onepage 0.79." in md
     # steps: only where both modes have them (the c1 loads here have none)
     assert c16["onepage"]["step_ms"] == pytest.approx(9.1) and c1["stock"]["step_ms"] is None
     assert "| 16 | 6.50 / 9.10 | 1.40 | 4.00 / 6.40 |" in md and "| 1 | 4" not in md.split("Engine steps")[1]
@@ -130,6 +130,8 @@ def test_arms_side_by_side_and_the_profile_table(gp):
     assert r["ratios"]["onepage/stock-triton"]["min"] == pytest.approx(231 / 220)
     assert r["ratios"]["onepage/stock-triton"]["max"] == pytest.approx(230 / 200)
     assert r["ratios"]["onepage-copies/stock"]["mean"] == pytest.approx((210 / 240 + 200 / 250) / 2)
+    assert set(s["accepted_drafts_per_step"]) == set(meta["arms"])  # every arm, not stock/onepage only
+    assert s["accepted_drafts_per_step"]["stock-triton"] == pytest.approx(1 / 6)
     assert s["rows"][0]["throughput_ratio"]["pairs"] == 2  # the main table: onepage/stock
     md = gp.markdown(s, meta)
     assert "| 1 | 245, 4.00 | 210, 4.00 | 230, 4.00 | 205, 4.00 | 0.941 (0.924-0.958) | 1.100 (1.050-1.150) |" in md
@@ -170,6 +172,6 @@ def test_the_perf_model_on_vllm_cpu(gp, tmp_path):
     assert runs["onepage"]["kv_cache_tokens"] == plan.onepage.tokens
     hist = runs["onepage"]["acceptance_hist"]
     assert hist == runs["stock"]["acceptance_hist"]
-    assert sum(1 for c in hist if c) >= 3, hist  # zero, partial and full acceptance seen
+    assert hist[0] and any(hist[1:-1]) and hist[-1], hist  # zero, partial and full acceptance
     assert sum(hist[1:]) / sum(hist) >= 0.25, hist  # stop 36's recipe: 40%; before it 1%
     assert gp.accepted_per_step([hist]) >= 0.3, hist

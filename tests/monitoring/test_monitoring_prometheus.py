@@ -145,6 +145,13 @@ def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):
     expr = recovery["targets"][0]["expr"].replace("$instance", "no-such-host")
     assert [float(r["value"][1]) for r in api.query(expr)] == [0.0]
     assert api.value('r9k_gpu_present_cards') == 2 and api.value('r9k_gpu_expected_cards') == 3
+    # the MES log table: one row per card and kind (enabled, readable), in one instant table query
+    mes = next(p for p in faults["panels"] if p["title"] == "MES event log per card (1 = yes)")
+    (target,) = mes["targets"]
+    assert target["instant"] and target["format"] == "table"
+    expr = target["expr"].replace("$instance", ".*").replace("$bdf", ".*")
+    rows = {(r["metric"]["bdf"], r["metric"]["log"]): float(r["value"][1]) for r in api.query(expr)}
+    assert rows == {(bdf, log): 1.0 for bdf in (CARD_A, CARD_B) for log in ("enabled", "readable")}, rows
     for rule in loaded:
         used |= set(re.findall(r"\br9k_[a-z0-9_]+", rule["query"]))
     assert used and not used - stored, used - stored

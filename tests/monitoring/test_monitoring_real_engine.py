@@ -3,6 +3,7 @@ by a real Prometheus: pool blocks and capacity as the engine has them and the pl
 and the pinned share following the requests the engine is really running."""
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -39,7 +40,7 @@ def _keep_streaming(url: str, stop: threading.Event, errors: list[str]) -> None:
             with urllib.request.urlopen(req, timeout=600) as resp:
                 while not stop.is_set() and resp.readline():
                     pass
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # IncompleteRead is not an OSError
             if not stop.is_set():
                 errors.append(repr(exc))
                 time.sleep(1)
@@ -94,12 +95,15 @@ def test_real_engine_replica(tmp_path):
             # The checks read the scrapes taken while the requests ran, not the latest one: on a
             # loaded 2-core host this process (the exporter's too) can be starved for seconds, and
             # CI once polled only after the requests had ended ("last []").
-            try:
-                api.wait("requests running on the engine", lambda: api.query(
-                    'max_over_time(r9k_replica_requests_running{replica="cpu0"}[10m]) >= 2'),
-                    timeout_s=180)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}; client errors: {errors[-5:]}") from None
+            def wait(what, predicate, timeout_s):  # a timeout says what the clients met
+                try:
+                    return api.wait(what, predicate, timeout_s=timeout_s)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; client errors: {errors[-5:]}") from None
+
+            wait("requests running on the engine", lambda: api.query(
+                'max_over_time(r9k_replica_requests_running{replica="cpu0"}[10m]) >= 2'),
+                timeout_s=180)
             # one scrape gives both numbers: pinned share per running request, as planned
             per_request = capacity.pinned_fraction(
                 1, num_blocks=plan.onepage.num_blocks, num_gdn_groups=plan.onepage.num_gdn_groups,
@@ -107,13 +111,13 @@ def test_real_engine_replica(tmp_path):
             per_running = ('(sum(r9k_kv_pinned_ratio{replica="cpu0"}) / '
                            '(sum(r9k_replica_requests_running{replica="cpu0"}) > 0))[10m:1s]')
             # (a subquery's steps lie on whole seconds: the scrape just seen may be past the last)
-            api.wait("the pinned share of a scrape that saw requests running",
-                     lambda: api.query(f"max_over_time({per_running})"), timeout_s=60)
+            wait("the pinned share of a scrape that saw requests running",
+                 lambda: api.query(f"max_over_time({per_running})"), timeout_s=60)
             ratios = [api.value(f"{agg}_over_time({per_running})") for agg in ("min", "max")]
             assert ratios == [pytest.approx(per_request["total"])] * 2, (ratios, per_request)
             # Prometheus scrapes vLLM directly too, on its own schedule: wait for a scrape that
             # saw the requests running (a one-shot read raced it: baseline CI failed on it)
-            api.wait("vLLM's own running gauge scraped while requests run", lambda: api.value(
+            wait("vLLM's own running gauge scraped while requests run", lambda: api.value(
                 'max_over_time(vllm:num_requests_running{job="vllm"}[5m])') >= 1, timeout_s=60)
     finally:
         stop.set()
