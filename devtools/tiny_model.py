@@ -61,9 +61,12 @@ CHAT_TEMPLATE = (
 EMBED_STD = 1.0
 LOGIT_STD = 2.0
 GDN_PROJ_STD = 0.1
-GDN_OUT_FAN_IN = 256  # the default shape's value dim (4 heads x 64): its out_proj keeps GDN_PROJ_STD
-HIDDEN_FAN_IN = 128   # the default hidden size: what reads the residual keeps its std there
-DEFAULT_GDN_LAYERS = 3  # the default shape's: together deeper models' GDN layers add as much
+# The default shape's sizes, where each projection keeps the std it is given (capacity owns them):
+# out_proj's fan-in (its value dim, 4 x 64), what reads the residual (hidden 128), GDN layers (3)
+GDN_OUT_FAN_IN = TINY_SHAPE["linear_num_value_heads"] * TINY_SHAPE["linear_value_head_dim"]
+HIDDEN_FAN_IN = TINY_SHAPE["hidden_size"]
+DEFAULT_GDN_LAYERS = (TINY_SHAPE["num_hidden_layers"]
+                      - TINY_SHAPE["num_hidden_layers"] // TINY_SHAPE["full_attention_interval"])
 MTP_FC_HIDDEN_STD = 0.02
 MTP_LAYER_STD = 0.002
 

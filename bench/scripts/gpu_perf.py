@@ -243,6 +243,7 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
             ls = [by[m][r]["loads"][name] for r in sorted(by[m]) if name in by[m][r]["loads"]]
             if not ls:
                 continue
+            stepped = all(x.get("steps") for x in ls)  # results before stop 36 may lack steps
             per_mode[m] = {
                 "output_tok_per_s": statistics.mean(x["output_tok_per_s"] for x in ls),
                 "ttft_p50_s": statistics.mean(x["ttft_s"]["p50"] for x in ls),
@@ -255,9 +256,9 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                 "preemptions": [x["preemptions"] for x in ls],
                 # engine steps: throughput = output tokens per step / step time
                 "step_ms": statistics.mean(x["wall_s"] / x["steps"] * 1e3 for x in ls)
-                if all(x.get("steps") for x in ls) else None,
+                if stepped else None,
                 "tokens_per_step": statistics.mean(x["output_tokens"] / x["steps"] for x in ls)
-                if all(x.get("steps") for x in ls) else None,
+                if stepped else None,
                 # per repeat (the modes may have run different numbers of engines)
                 "acceptance_hist": [round(sum(col) / len(ls), 1)
                                     for col in zip(*(x["acceptance_hist"] for x in ls))],
