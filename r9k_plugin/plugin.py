@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 
-from r9k.policy import GDN_STATE_ENV, gdn_state_mode, unproven_allowed, vllm_version_reason
+from r9k.policy import (GDN_STATE_ENV, draft_graphs, gdn_state_mode, unproven_allowed,
+                        vllm_version_reason)
 
 logger = logging.getLogger("vllm.r9k")
 
@@ -15,6 +16,7 @@ def register() -> None:
     global _registered
     mode = gdn_state_mode()  # a bad value raises here, which stops the engine at start
     unproven_allowed()  # likewise
+    draft_graphs()  # likewise
     if _registered:
         return
     _registered = True
@@ -33,6 +35,7 @@ def register() -> None:
                        vllm.__version__, adapter.unproven_why)
     from r9k.gdn_layer import register_layer
 
+    register_draft_graphs()
     register_cpu_align_kernels()
     if mode == "onepage":
         register_gpu_align_kernels()
@@ -40,6 +43,17 @@ def register() -> None:
     models.register_models()
     logger.info("r9k plugin loaded: GDN state mode %s (%s)%s", mode, GDN_STATE_ENV,
                 "; pages are decided per engine" if mode == "onepage" else "")
+
+
+def register_draft_graphs() -> None:
+    """In every page mode: the draft model's steps as CUDA graphs up to max_num_seqs."""
+    from vllm.config import VllmConfig
+
+    from r9k.draft_graphs import install
+
+    if not install(VllmConfig):
+        logger.warning("r9k: vLLM %s has no VllmConfig._set_cudagraph_sizes: the draft model's "
+                       "CUDA graph sizes are vLLM's", __import__("vllm").__version__)
 
 
 def register_cpu_align_kernels() -> None:

@@ -149,6 +149,35 @@ def gdn_inplace() -> bool:
     return value == "1"
 
 
+# The draft model's later steps (MTP k >= 2) as CUDA graphs up to max_num_seqs (r9k.draft_graphs):
+# "1" (default) | "0" (vLLM's capture sizes as they are: for side-by-side measurement)
+DRAFT_GRAPHS_ENV = "R9K_DRAFT_GRAPHS"
+
+
+def draft_graphs() -> bool:
+    """R9K_DRAFT_GRAPHS; raises ValueError naming the allowed values."""
+    raw = os.environ.get(DRAFT_GRAPHS_ENV, "1")
+    value = raw.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{DRAFT_GRAPHS_ENV}={raw!r}: expected 1 (default) or 0")
+    return value == "1"
+
+
+def draft_capture_sizes(sizes: list[int], max_num_seqs: int, num_spec: int,
+                        max_capture_size: int) -> list[int] | None:
+    """vLLM's capture sizes with max_num_seqs added, or None where nothing is missing.
+
+    vLLM 0.32's V2 runner captures the draft model's steps after the first (one token per
+    request, so only with k >= 2) as FULL graphs at the capture sizes up to max_num_seqs, and
+    its default sizes are 1, 2, 4 and multiples of 8: with max_num_seqs 5-7 (the planner's
+    whole requests, one-page's 7 on the perf model) every batch above 4 ran those steps
+    eagerly, host-bound (H200, stop 37: one-page's steps 2.1x stock's at 1.7x the requests).
+    A size past vLLM's largest would change its capture ceiling: left alone."""
+    if num_spec < 2 or not sizes or max_num_seqs in sizes or max_num_seqs > max_capture_size:
+        return None
+    return sorted(set(sizes) | {max_num_seqs})
+
+
 # vLLM builds these models' GDN layers with gqa_interleaved_layout=True (qwen3_next.py)
 INTERLEAVED_GDN_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM"})
 

@@ -6,6 +6,8 @@
     python3 bench/scripts/gpu_perf.py run --installed --out DIR
     # anywhere: ratios, Markdown and the concurrency plot from the results JSON
     python bench/scripts/gpu_perf.py summarize DIR/gpu_perf.json --md OUT.md --plot OUT.png
+    # several calls of one setup (device time comes in calls): engines pooled, pairs per file
+    python bench/scripts/gpu_perf.py summarize A.json B.json [--relabel A.json:onepage=NEW]
 
 The model (`gdn27b-deep`, make-tiny, random weights) has the 27B's per-rank GDN heads at TP2 (8
 key and 24 value heads of 128), its 3 GDN : 1 attention pattern, and 32 layers with 2 KV heads
@@ -55,10 +57,14 @@ LIGHT = (1, 2, 4)
 # vLLM's default (on CUDA, Qwen3.5-layout bf16 models take NVIDIA's fused MTP decode kernel,
 # which also fuses the gated norm); "stock-triton" is stock on vLLM's Triton recurrence, the path
 # one-page is bit-identical to (and stock's on ROCm 0.32); "onepage-copies" is one-page through
-# vLLM's q/k/v and output copies, as before stop 35 (R9K_GDN_INPLACE=0)
+# vLLM's q/k/v and output copies, as before stop 35 (R9K_GDN_INPLACE=0); "onepage-vllmgraphs" is
+# one-page on vLLM's own CUDA graph sizes (R9K_DRAFT_GRAPHS=0)
 ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"}),
-        "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"})}
-ARM_VARIABLES = ("VLLM_GDN_DECODE_KERNEL", "R9K_GDN_INPLACE")
+        "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"}),
+        # one-page without the plugin's draft-model CUDA graph size (r9k.draft_graphs), as
+        # before stop 37
+        "onepage-vllmgraphs": ("onepage", {"R9K_DRAFT_GRAPHS": "0"})}
+ARM_VARIABLES = ("VLLM_GDN_DECODE_KERNEL", "R9K_GDN_INPLACE", "R9K_DRAFT_GRAPHS")
 PROFILE = {"name": "profile", "kind": "profile", "prompt_tokens": PROMPT_TOKENS,
            "max_tokens": 96, "warm_steps": 12, "steps": 16, "seed": 700}
 
@@ -399,6 +405,46 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+# what must agree for engines of several files to be pooled
+POOL_KEYS = ("model_weights_sha256", "k", "prefix_caching", "kv_cache_memory_bytes", "autotune",
+             "max_model_len", "prompt_tokens", "output_tokens", "max_num_seqs", "eager")
+
+
+def pool_results(paths: list[str], relabels: list[str]) -> dict[str, Any]:
+    """One results dict from several files of the same setup: engines keep their file's pairs
+    (repeats renumbered file by file), the sweep and arms are the union, commands listed."""
+    moves: dict[str, dict[str, str]] = {}
+    for spec in relabels:
+        path, sep, rule = spec.rpartition(":")
+        old, eq, new = rule.partition("=")
+        if not (sep and eq and path in paths and old and new in ARMS):
+            raise SystemExit(f"--relabel {spec!r}: expected FILE:ARM=NEW with FILE one of the "
+                             f"results given and NEW one of {', '.join(ARMS)}")
+        moves.setdefault(path, {})[old] = new
+    metas, engines = [], []
+    for i, path in enumerate(paths):
+        data = json.loads(pathlib.Path(path).read_text())
+        metas.append(data["meta"])
+        for e in data["engines"]:
+            engines.append(dict(e, mode=moves.get(path, {}).get(e["mode"], e["mode"]),
+                                repeat=1000 * i + e["repeat"]))
+    if len(paths) == 1 and not moves:
+        return {"meta": metas[0], "engines": engines}
+    for key in POOL_KEYS:
+        values = {json.dumps(m.get(key)) for m in metas}
+        if len(values) > 1:
+            raise SystemExit(f"{', '.join(paths)}: '{key}' differs ({', '.join(sorted(values))}); "
+                             "expected one setup to pool")
+    arms: list[str] = []
+    for m in metas:
+        arms += [a for a in m.get("arms") or ["stock", "onepage"] if a not in arms]
+    arms = [a for a in ARMS if a in {moves.get(p, {}).get(x, x) for p, m in zip(paths, metas)
+                                     for x in m.get("arms") or ["stock", "onepage"]}]
+    meta = dict(metas[0], arms=arms, sweep=sorted({c for m in metas for c in m["sweep"]}),
+                command=" ; ".join(m.get("command", "?") for m in metas))
+    return {"meta": meta, "engines": engines}
+
+
 def plot(summary: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -457,14 +503,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the stock and one-page engines of a repeat at once (diagnosis only)")
     r.add_argument("--model-sets", help="make-tiny --set values, comma-separated (default: "
                                         "the 27B-like model above)")
-    s = sub.add_parser("summarize", help="results JSON -> Markdown (and plot)")
-    s.add_argument("results")
+    s = sub.add_parser("summarize", help="results JSON -> Markdown (and plot); several files "
+                                         "of one setup pool their engines, paired within a file")
+    s.add_argument("results", nargs="+")
+    s.add_argument("--relabel", action="append", default=[], metavar="FILE:ARM=NEW",
+                   help="count FILE's engines of ARM as NEW (a file run before a change its "
+                        "arm now names)")
     s.add_argument("--md")
     s.add_argument("--plot")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         return run(args)
-    data = json.loads(pathlib.Path(args.results).read_text())
+    data = pool_results(args.results, args.relabel)
     summary = summarize(data["meta"], data["engines"])
     text = markdown(summary, data["meta"])
     if args.md:

@@ -175,3 +175,46 @@ def test_the_perf_model_on_vllm_cpu(gp, tmp_path):
     assert hist[0] and any(hist[1:-1]) and hist[-1], hist  # zero, partial and full acceptance
     assert sum(hist[1:]) / sum(hist) >= 0.25, hist  # stop 36's recipe: 40%; before it 1%
     assert gp.accepted_per_step([hist]) >= 0.3, hist
+
+
+def test_results_of_several_calls_pool_with_pairs_kept_per_file(gp, tmp_path):
+    """Device time comes in calls: engines of one setup pool across files, each file's repeats
+    pair only with that file's; --relabel counts an old file's arm as what it ran; files of
+    another setup, or a bad rule, stop with what was wrong."""
+    import json
+
+    meta = {"sweep": [16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
+                                       "onepage": {"tokens": 15701, "whole_requests": 7}},
+            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
+            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
+            "kv_cache_memory_bytes": 1 << 30, "model_weights_sha256": "ab", "command": "a"}
+    def eng(mode, rep, tok):
+        return {"mode": mode, "repeat": rep, "ok": True, "kv_cache_tokens": 1,
+                "loads": {"c16": _load(16, tok, 4.0)}}
+    before = tmp_path / "before.json"   # one-page before the change: 2 pairs
+    before.write_text(json.dumps({"meta": meta, "engines": [
+        eng("stock", 0, 800), eng("onepage", 0, 720), eng("onepage", 1, 840), eng("stock", 1, 700)]}))
+    after = tmp_path / "after.json"     # both arms side by side: 1 triple
+    after.write_text(json.dumps({"meta": dict(meta, arms=["stock", "onepage", "onepage-vllmgraphs"],
+                                              sweep=[4, 16], command="b"), "engines": [
+        eng("stock", 0, 750), eng("onepage", 0, 1000), eng("onepage-vllmgraphs", 0, 735)]}))
+    data = gp.pool_results([str(before), str(after)],
+                           [f"{before}:onepage=onepage-vllmgraphs"])
+    assert data["meta"]["arms"] == ["stock", "onepage", "onepage-vllmgraphs"]
+    assert data["meta"]["sweep"] == [4, 16] and data["meta"]["command"] == "a ; b"
+    s = gp.summarize(data["meta"], data["engines"])
+    c16 = s["arm_rows"][1]
+    old = c16["ratios"]["onepage-vllmgraphs/stock"]
+    assert old["n"] == 3   # 720/800, 840/700 and 735/750: never 720/750 across files
+    assert old["mean"] == pytest.approx((0.9 + 1.2 + 0.98) / 3)
+    assert c16["ratios"]["onepage/stock"] == {"mean": pytest.approx(1000 / 750),
+                                              "min": pytest.approx(1000 / 750),
+                                              "max": pytest.approx(1000 / 750), "n": 1}
+    assert s["rows"][1]["stock"]["repeats"] == 3 and s["rows"][1]["onepage"]["repeats"] == 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"meta": dict(meta, k=7), "engines": []}))
+    with pytest.raises(SystemExit, match="'k' differs"):
+        gp.pool_results([str(before), str(other)], [])
+    for rule in (f"{before}:onepage", f"{before}:onepage=nonsense", "nofile.json:onepage=stock"):
+        with pytest.raises(SystemExit, match="expected FILE:ARM=NEW"):
+            gp.pool_results([str(before), str(after)], [rule])
