@@ -36,16 +36,24 @@ def add_max_num_seqs(vllm_config: Any) -> list[int] | None:
 
 
 def install(config_cls: Any) -> bool:
-    """Wrap `config_cls._set_cudagraph_sizes` once; False where the release has no such method."""
+    """Wrap `config_cls._set_cudagraph_sizes` (once: a wrapped one stays as it is); False where
+    the release has no such method."""
     original = getattr(config_cls, "_set_cudagraph_sizes", None)
-    if original is None or getattr(original, "r9k_wrapped", False):
+    if original is None:
         return False
+    if getattr(original, "r9k_wrapped", False):
+        return True
 
     def _set_cudagraph_sizes(self) -> None:
         given = self.compilation_config.cudagraph_capture_sizes is not None
+        # vLLM expands this token into compile_sizes at the end of the original
+        compiled = "cudagraph_capture_sizes" in (self.compilation_config.compile_sizes or [])
         original(self)
         if not given and draft_graphs():
-            add_max_num_seqs(self)
+            sizes = add_max_num_seqs(self)
+            if sizes is not None and compiled:
+                cc = self.compilation_config
+                cc.compile_sizes = sorted(set(cc.compile_sizes) | {self.scheduler_config.max_num_seqs})
 
     _set_cudagraph_sizes.r9k_wrapped = True
     _set_cudagraph_sizes.__wrapped__ = original

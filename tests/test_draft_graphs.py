@@ -14,7 +14,7 @@ from r9k import policy
 from r9k.draft_graphs import install
 
 
-def config(max_num_seqs: int, k: int, sizes: list[int] | None = None, eager: bool = False):
+def config(max_num_seqs: int, k: int, sizes: list[int] | None = None):
     """The fields `_set_cudagraph_sizes` reads, around vLLM's real CompilationConfig."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
@@ -24,19 +24,30 @@ def config(max_num_seqs: int, k: int, sizes: list[int] | None = None, eager: boo
     spec = SimpleNamespace(num_speculative_tokens=k,
                            uses_dynamic_speculative_decoding=lambda: False) if k else None
     return SimpleNamespace(
-        model_config=SimpleNamespace(enforce_eager=eager), compilation_config=cc,
+        model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192),
         speculative_config=spec, uniform_decode_query_len=k + 1, performance_mode="balanced",
         num_speculative_tokens=k)
 
 
-@pytest.fixture
-def wrapped():
-    """A subclass carries the wrapper: vLLM's class stays as it is for the other tests."""
+def vllms():
+    """vLLM's own method, whether or not a test before this one registered the plugin here."""
     from vllm.config import VllmConfig
 
-    cls = type("WrappedConfig", (VllmConfig,), {})
-    assert install(cls) and not install(cls)  # once
+    method = VllmConfig._set_cudagraph_sizes
+    return getattr(method, "__wrapped__", method)
+
+
+@pytest.fixture
+def wrapped():
+    """A subclass carrying vLLM's own method gets the wrapper: vLLM's class stays as it is."""
+    from vllm.config import VllmConfig
+
+    cls = type("WrappedConfig", (VllmConfig,), {"_set_cudagraph_sizes": vllms()})
+    assert install(cls)
+    first = cls._set_cudagraph_sizes
+    assert first.r9k_wrapped and install(cls) and cls._set_cudagraph_sizes is first  # once
+    assert not install(type("NoSizes", (), {}))  # a release without the method
     return cls
 
 
@@ -49,10 +60,8 @@ def draft_sizes(cfg) -> list[int]:
 def test_vllm_leaves_5_to_7_requests_without_a_draft_graph():
     """The defect, in vLLM's own code: at max_num_seqs 7 (one-page's planner count on the perf
     model) the draft steps' largest graph is 4 requests."""
-    from vllm.config import VllmConfig
-
     cfg = config(7, 3)
-    VllmConfig._set_cudagraph_sizes(cfg)
+    vllms()(cfg)
     assert draft_sizes(cfg) == [1, 2, 4]
     assert cfg.compilation_config.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 24, 28, 32, 40, 48, 56]
 
@@ -61,30 +70,32 @@ def test_vllm_leaves_5_to_7_requests_without_a_draft_graph():
     (7, 3, [1, 2, 4, 7]), (12, 7, [1, 2, 4, 8, 12]), (5, 2, [1, 2, 3, 4, 5]),
     (4, 3, [1, 2, 4]), (8, 3, [1, 2, 4, 8]), (16, 7, [1, 2, 4, 8, 16])])
 def test_max_num_seqs_gets_its_graph(wrapped, seqs, k, expected):
-    from vllm.config import VllmConfig
-
     cfg, before = config(seqs, k), config(seqs, k)
     wrapped._set_cudagraph_sizes(cfg)
-    VllmConfig._set_cudagraph_sizes(before)
+    vllms()(before)
     assert draft_sizes(cfg) == expected
     added = set(cfg.compilation_config.cudagraph_capture_sizes) - set(
         before.compilation_config.cudagraph_capture_sizes)
     assert added == ({seqs} - set(before.compilation_config.cudagraph_capture_sizes))
-    # vLLM's ceiling is unchanged (its post-init asserts the last size is it)
-    assert cfg.compilation_config.max_cudagraph_capture_size == \
-        before.compilation_config.max_cudagraph_capture_size
+
+
+def test_sizes_compiled_for_follow(wrapped):
+    """compile_sizes: ["cudagraph_capture_sizes"] (vLLM expands it inside the method) gets the
+    added size too."""
+    cfg = config(7, 3)
+    cfg.compilation_config.compile_sizes = ["cudagraph_capture_sizes"]
+    wrapped._set_cudagraph_sizes(cfg)
+    assert 7 in cfg.compilation_config.compile_sizes
+    assert set(cfg.compilation_config.compile_sizes) == set(cfg.compilation_config.cudagraph_capture_sizes)
 
 
 def test_what_is_left_as_vllm_has_it(wrapped, monkeypatch):
-    """One draft token (no later draft steps), eager engines, sizes a user gave, and
-    R9K_DRAFT_GRAPHS=0 keep vLLM's sizes."""
-    from vllm.config import VllmConfig
-
-    for args, kwargs in (((7, 1), {}), ((7, 3), {"eager": True}),
-                         ((7, 3), {"sizes": [1, 2, 4, 8]})):
+    """One draft token (no later draft steps), sizes a user gave, and R9K_DRAFT_GRAPHS=0 keep
+    vLLM's sizes."""
+    for args, kwargs in (((7, 1), {}), ((7, 3), {"sizes": [1, 2, 4, 8]})):
         cfg, ref = config(*args, **kwargs), config(*args, **kwargs)
         wrapped._set_cudagraph_sizes(cfg)
-        VllmConfig._set_cudagraph_sizes(ref)
+        vllms()(ref)
         assert cfg.compilation_config.cudagraph_capture_sizes == \
             ref.compilation_config.cudagraph_capture_sizes, (args, kwargs)
     monkeypatch.setenv(policy.DRAFT_GRAPHS_ENV, "0")
@@ -111,3 +122,15 @@ def test_a_bad_setting_stops_registration(monkeypatch, value):
     monkeypatch.setattr(plugin, "_registered", True)  # checked on every call, as the mode is
     with pytest.raises(ValueError, match="R9K_DRAFT_GRAPHS"):
         plugin.register()
+
+
+def test_registration_wraps_vllms_config():
+    """The plugin's register() (as vLLM's plugin loader calls it) wraps the real VllmConfig."""
+    import subprocess
+    import sys
+
+    code = ("from r9k import plugin; plugin.register(); from vllm.config import VllmConfig; "
+            "m = VllmConfig._set_cudagraph_sizes; print(getattr(m, 'r9k_wrapped', False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

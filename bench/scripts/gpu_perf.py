@@ -405,42 +405,50 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-# what must agree for engines of several files to be pooled
-POOL_KEYS = ("model_weights_sha256", "k", "prefix_caching", "kv_cache_memory_bytes", "autotune",
-             "max_model_len", "prompt_tokens", "output_tokens", "max_num_seqs", "eager")
+# what must agree for engines of several files to be pooled (the planner's counts, not only
+# "planner" as the admission's name; runs with both engines at once are a diagnosis apart)
+POOL_KEYS = ("model_weights_sha256", "k", "prefix_caching", "kv_cache_memory_bytes", "planner",
+             "autotune", "max_model_len", "prompt_tokens", "output_tokens", "max_num_seqs",
+             "eager", "parallel_modes", "device", "vllm")
 
 
 def pool_results(paths: list[str], relabels: list[str]) -> dict[str, Any]:
     """One results dict from several files of the same setup: engines keep their file's pairs
     (repeats renumbered file by file), the sweep and arms are the union, commands listed."""
+    if len(set(paths)) != len(paths):
+        raise SystemExit(f"{', '.join(paths)}: a results file is given twice; expected each once")
+    datas = {path: json.loads(pathlib.Path(path).read_text()) for path in paths}
     moves: dict[str, dict[str, str]] = {}
     for spec in relabels:
         path, sep, rule = spec.rpartition(":")
         old, eq, new = rule.partition("=")
-        if not (sep and eq and path in paths and old and new in ARMS):
+        arms = (datas[path]["meta"].get("arms") or ["stock", "onepage"]) if path in datas else []
+        if not (sep and eq and old in arms and new in ARMS):
             raise SystemExit(f"--relabel {spec!r}: expected FILE:ARM=NEW with FILE one of the "
-                             f"results given and NEW one of {', '.join(ARMS)}")
+                             f"results given, ARM one of its arms and NEW one of {', '.join(ARMS)}")
         moves.setdefault(path, {})[old] = new
-    metas, engines = [], []
+    metas, engines, seen = [], [], set()
     for i, path in enumerate(paths):
-        data = json.loads(pathlib.Path(path).read_text())
-        metas.append(data["meta"])
-        for e in data["engines"]:
-            engines.append(dict(e, mode=moves.get(path, {}).get(e["mode"], e["mode"]),
-                                repeat=1000 * i + e["repeat"]))
+        metas.append(datas[path]["meta"])
+        for e in datas[path]["engines"]:
+            e = dict(e, mode=moves.get(path, {}).get(e["mode"], e["mode"]),
+                     repeat=1000 * i + e["repeat"])
+            if (e["mode"], e["repeat"]) in seen:
+                raise SystemExit(f"{path}: two engines would be {e['mode']} repeat "
+                                 f"{e['repeat'] % 1000} after --relabel; expected a new arm name")
+            seen.add((e["mode"], e["repeat"]))
+            engines.append(e)
     if len(paths) == 1 and not moves:
         return {"meta": metas[0], "engines": engines}
     for key in POOL_KEYS:
-        values = {json.dumps(m.get(key)) for m in metas}
+        values = {json.dumps(m.get(key), sort_keys=True) for m in metas}
         if len(values) > 1:
             raise SystemExit(f"{', '.join(paths)}: '{key}' differs ({', '.join(sorted(values))}); "
                              "expected one setup to pool")
-    arms: list[str] = []
-    for m in metas:
-        arms += [a for a in m.get("arms") or ["stock", "onepage"] if a not in arms]
-    arms = [a for a in ARMS if a in {moves.get(p, {}).get(x, x) for p, m in zip(paths, metas)
-                                     for x in m.get("arms") or ["stock", "onepage"]}]
-    meta = dict(metas[0], arms=arms, sweep=sorted({c for m in metas for c in m["sweep"]}),
+    ran = {moves.get(p, {}).get(a, a) for p, m in zip(paths, metas)
+           for a in m.get("arms") or ["stock", "onepage"]}
+    meta = dict(metas[0], arms=[a for a in ARMS if a in ran],
+                sweep=sorted({c for m in metas for c in m["sweep"]}),
                 command=" ; ".join(m.get("command", "?") for m in metas))
     return {"meta": meta, "engines": engines}
 

@@ -215,6 +215,15 @@ def test_results_of_several_calls_pool_with_pairs_kept_per_file(gp, tmp_path):
     other.write_text(json.dumps({"meta": dict(meta, k=7), "engines": []}))
     with pytest.raises(SystemExit, match="'k' differs"):
         gp.pool_results([str(before), str(other)], [])
-    for rule in (f"{before}:onepage", f"{before}:onepage=nonsense", "nofile.json:onepage=stock"):
+    for rule in (f"{before}:onepage", f"{before}:onepage=nonsense", "nofile.json:onepage=stock",
+                 f"{before}:onpage=onepage-vllmgraphs"):  # a typo'd arm would pool nothing
         with pytest.raises(SystemExit, match="expected FILE:ARM=NEW"):
             gp.pool_results([str(before), str(after)], [rule])
+    with pytest.raises(SystemExit, match="two engines would be stock repeat 0"):
+        gp.pool_results([str(after)], [f"{after}:onepage=stock"])
+    with pytest.raises(SystemExit, match="given twice"):
+        gp.pool_results([str(before), str(before)], [])
+    other.write_text(json.dumps({"meta": dict(meta, planner={**meta["planner"], "stock": {
+        "tokens": 8100, "whole_requests": 3}}), "engines": []}))
+    with pytest.raises(SystemExit, match="'planner' differs"):
+        gp.pool_results([str(before), str(other)], [])
