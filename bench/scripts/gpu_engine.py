@@ -168,6 +168,10 @@ def set_planner_vllm(version: str) -> None:
 # with vLLM's preemption made to run at points the token stream fixes
 # (r9k.bench.forced_preemption): both engines preempt the same requests at the same steps.
 POOLS = {"small": 1.2, "roomy": 8.5, "forced": 8.5}
+# Both engines admit this many at once. At 8 vLLM's CUDA graph sizes already hold it; an odd
+# count (7, a planner's) makes the draft model's later steps run at the size r9k.draft_graphs
+# adds, padded (`--max-num-seqs 7`).
+MAX_NUM_SEQS = 8
 FORCED_AFTER_TOKENS = 8
 FORCED_SCHEDULER = "r9k.bench.forced_preemption.forced_preemption_scheduler"
 
@@ -220,7 +224,8 @@ def prefix_scenarios(block: int) -> list[dict]:
 
 def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                 gpu_memory_utilization: float, block_size: int | None = None,
-                pool: str = "small", prefix_block: int = 256, autotune: str = "first"):
+                pool: str = "small", prefix_block: int = 256, autotune: str = "first",
+                max_num_seqs: int = MAX_NUM_SEQS):
     from r9k.devtools import engine_scenarios as es
     from r9k.devtools.engine_runs import EngineSpec
 
@@ -246,15 +251,15 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
     return EngineSpec(model=str(model_path), num_spec=cell.k,
                       gdn_state="onepage" if mode == "onepage" else "stock",
                       kv_cache_memory_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=8, enforce_eager=cell.graphs == "eager",
+                      max_num_seqs=max_num_seqs, enforce_eager=cell.graphs == "eager",
                       prefix_caching=cell.prefix_caching,
                       mamba_ssm_cache_dtype=STATE_DTYPES[cell.state], scenarios=scenarios,
                       env=env, engine_kwargs=kwargs)
 
 
 def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, util: float,
-               workdir: pathlib.Path, pool: str = "small", autotune: str = "first"
-               ) -> dict[str, Any]:
+               workdir: pathlib.Path, pool: str = "small", autotune: str = "first",
+               max_num_seqs: int = MAX_NUM_SEQS) -> dict[str, Any]:
     from r9k.devtools import engine_runs
 
     model_path = models / cell.model
@@ -263,8 +268,10 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     as_mode = reference(cell.prefix_caching) if mode == AGAIN else mode
     block = plan["onepage"]["block"] if as_mode == CONTROL else None
     spec = engine_spec(cell, as_mode, model_path, kv_bytes, util, block_size=block, pool=pool,
-                       prefix_block=plan["onepage"]["block"], autotune=autotune)
+                       prefix_block=plan["onepage"]["block"], autotune=autotune,
+                       max_num_seqs=max_num_seqs)
     out: dict[str, Any] = {"cell": cell.name, "mode": mode, "pool": pool, "autotune": autotune,
+                           "max_num_seqs": max_num_seqs,
                            "kv_cache_memory_bytes": kv_bytes,
                            "planner_tokens": None if block else plan[as_mode]["tokens"],
                            "planner_block": plan["onepage" if block else as_mode]["block"],
@@ -713,6 +720,8 @@ def versions() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_num_seqs < 1:
+        raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: expected a count of 1 or more")
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -745,6 +754,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"models made: {', '.join(MODELS)}")
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
+            "max_num_seqs": args.max_num_seqs,
             "repeat": args.repeat,
             # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b's GDN out_proj)
             "model_weights_sha256": {name: weights_sha256(models / name) for name in MODELS
@@ -780,7 +790,7 @@ def run(args: argparse.Namespace) -> int:
             return
         log(f"RUN {cell.name} {mode}")
         r = run_engine(cell, mode, models, min(args.engine_timeout_s, left), args.util, work,
-                       args.pool, args.autotune)
+                       args.pool, args.autotune, args.max_num_seqs)
         log(f"END {cell.name} {mode}: ok={r['ok']} {r['wall_s']}s kv={r.get('kv_cache_tokens')}"
             f" planner={r['planner_tokens']} {r.get('error', '')[-400:]}")
         with lock:
@@ -828,6 +838,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rerun each cell's reference stock engine in a fresh process (control)")
     r.add_argument("--first", help="comma-separated name parts: matching cells run first")
     r.add_argument("--resume", help="a gpu_engine_runs.json whose ok engines are kept, not rerun")
+    r.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
+                   help="both engines' max_num_seqs (7: the draft model's later steps run at "
+                        "the CUDA graph size the plugin adds, r9k.draft_graphs)")
     r.add_argument("--out", required=True)
     r.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "r9k-gpu-engine"))
     r.add_argument("--parallel", type=int, default=6, help="engines at once on the one GPU")

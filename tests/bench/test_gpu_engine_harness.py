@@ -212,6 +212,9 @@ def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
                            autotune="vllm")
     assert "scheduler_cls" not in plain.engine_kwargs
     assert "VLLM_TRITON_FORCE_FIRST_CONFIG" not in plain.env
+    # both engines admit the same count: 8 by default, 7 puts the draft steps on the added size
+    assert spec.max_num_seqs == ge.MAX_NUM_SEQS == 8
+    assert ge.engine_spec(pcon, "stock", tmp_path, 1 << 30, 0.04, max_num_seqs=7).max_num_seqs == 7
     # the shared prefix spans three of the cell's blocks, whatever their size
     by_name = {sc["name"]: sc for sc in spec.scenarios}
     warm = by_name["pc-warm"]["prompts"]
@@ -308,3 +311,10 @@ def test_a_plugin_wheel_that_fails_to_build_keeps_the_old_one(ge, tmp_path, monk
     _wheel(dest / "whl", "alpha", b"VALUE = 1\n")
     with pytest.raises(SystemExit, match=r"no plugin wheel \(r9700_stack-\*\.whl\) in the stage"):
         ge.setup_site(dest, tmp_path / "site", print)
+
+
+def test_run_refuses_a_max_num_seqs_below_one(ge, tmp_path):
+    with pytest.raises(SystemExit, match="--max-num-seqs 0: expected a count of 1 or more"):
+        ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--max-num-seqs", "0"])
+    assert not (tmp_path / "o").exists()
