@@ -288,6 +288,9 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     out["log_tail"] = [line for line in log.splitlines()
                        if "r9k" in line or "GDN" in line or "KV cache size" in line
                        or "WARNING" in line][-40:]
+    # the plugin's own lines (page decision, draft-model graph sizes) from the start: the tail
+    # above loses them behind a compiled engine's warnings
+    out["log_r9k_lines"] = [line[-300:] for line in log.splitlines() if "r9k" in line][:30]
     return out
 
 
