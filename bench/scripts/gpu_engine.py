@@ -126,9 +126,20 @@ AGAIN = "again"
 AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {}}
 
 
-def modes(cell: Cell, repeat: bool = False) -> tuple[str, ...]:
+# "MODE~i" runs MODE again (i = 1 .. copies - 1), in the same wave of engines: whether an engine
+# gives the same ids as its twin while the GPU is shared (`--copies`)
+COPY = "~"
+
+
+def modes(cell: Cell, repeat: bool = False, copies: int = 1) -> tuple[str, ...]:
     ms = ("stock", "onepage", CONTROL) if cell.prefix_caching else ("stock", "onepage")
-    return ms + (AGAIN,) if repeat else ms
+    ms = ms + (AGAIN,) if repeat else ms
+    return ms + tuple(f"{m}{COPY}{i}" for i in range(1, copies) for m in ms if m != AGAIN)
+
+
+def base_mode(mode: str) -> str:
+    """The mode a copy runs as ("onepage~2" -> "onepage")."""
+    return mode.split(COPY, 1)[0]
 
 
 def reference(cell_prefix_caching: bool) -> str:
@@ -265,7 +276,7 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     model_path = models / cell.model
     kv_bytes = pool_bytes(model_path, cell, pool)
     plan = planner(model_path, cell, kv_bytes)
-    as_mode = reference(cell.prefix_caching) if mode == AGAIN else mode
+    as_mode = reference(cell.prefix_caching) if mode == AGAIN else base_mode(mode)
     block = plan["onepage"]["block"] if as_mode == CONTROL else None
     spec = engine_spec(cell, as_mode, model_path, kv_bytes, util, block_size=block, pool=pool,
                        prefix_block=plan["onepage"]["block"], autotune=autotune,
@@ -337,6 +348,9 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # the reference engine twice (AGAIN): what a fresh process alone changes
     again = runs.get(AGAIN)
     again_diffs = token_diffs(ref["tokens"], again["tokens"])[2] if again else None
+    # each copy against its first engine: requests that differ (0 everywhere: deterministic)
+    copies_diffs = {m: token_diffs(runs[base_mode(m)]["tokens"], r["tokens"])[2]
+                    for m, r in sorted(runs.items()) if COPY in m}
     kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
           (("stock", stock), ("onepage", onepage))}
     both = (("stock", ref), ("onepage", onepage))
@@ -345,7 +359,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         diffs=diffs[:12], identical_to_default_stock=not default_diffs,
         default_stock_diffs=default_diffs[:12],
         stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
-        again_diffs=again_diffs,
+        again_diffs=again_diffs, copies_diffs=copies_diffs,
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
         prefix_hits={m: r["prefix_cache"]["hits"] for m, r in both},
@@ -370,6 +384,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # forced preemption runs where the tokens say: the same preemptions in both engines
         and (row["pool"] != "forced" or pre["stock"] == pre["onepage"]))
     row["ok"] = bool(row["identical"] and row["acceptance_varies"] and row["kv_equal"]
+                     and not any(copies_diffs.values())
                      and row["hits_and_preemption"]
                      and row["page_modes"] == ["stock", "onepage", "stock"]
                      and (ref_mode == "stock"
@@ -405,7 +420,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            "stock engine's; 'default stock' says whether that engine's ids equal too, and how "
            "many requests differ between the two stock engines (scheduling alone); 'again' "
            "how many differ between the compared stock engine and its rerun in a fresh "
-           "process.", "",
+           "process; 'copies' how many differ between an engine and its copy run in the same "
+           "waves (`--copies`).", "",
            "| cell | requests | tokens | identical | default stock | acceptance hist "
            "(stock = one-page) | prefix hits | preemptions | KV tokens engine = planner | "
            "block (stock / one-page / stock-blk) | cudagraph | GPU s | ok |",
@@ -430,6 +446,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         again = r.get("again_diffs")
         if again is not None:
             dflt += f"{'; ' if dflt else ''}again: {len(again)} differ"
+        if r.get("copies_diffs"):
+            dflt += (f"{'; ' if dflt else ''}copies: " + ", ".join(
+                f"{m} {len(d)} differ" + (f" ({', '.join(d[:3])})" if d else "")
+                for m, d in r["copies_diffs"].items()))
         out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
                    f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
                    f"{h}{'' if r['acceptance_varies'] else ' (not varied)'} | "
@@ -725,6 +745,8 @@ def versions() -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     if args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: expected a count of 1 or more")
+    if not 1 <= args.copies <= 8:
+        raise SystemExit(f"--copies {args.copies}: expected 1 to 8 engines per mode")
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -757,7 +779,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"models made: {', '.join(MODELS)}")
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
-            "max_num_seqs": args.max_num_seqs,
+            "max_num_seqs": args.max_num_seqs, "copies": args.copies,
             "repeat": args.repeat,
             # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b's GDN out_proj)
             "model_weights_sha256": {name: weights_sha256(models / name) for name in MODELS
@@ -776,7 +798,8 @@ def run(args: argparse.Namespace) -> int:
     if args.first:  # cells whose names hold one of these run first (a run may end on budget)
         keys = args.first.split(",")
         cells.sort(key=lambda c: next((i for i, k in enumerate(keys) if k in c.name), len(keys)))
-    jobs = [(c, m) for c in cells for m in modes(c, args.repeat) if (c.name, m) not in have]
+    jobs = [(c, m) for c in cells for m in modes(c, args.repeat, args.copies)
+            if (c.name, m) not in have]
     log(f"{len(cells)} cells, {len(jobs)} engines to run, {args.parallel} at a time")
     lock = threading.Lock()
     runs = list(done)
@@ -840,6 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeat", action="store_true",
                    help="rerun each cell's reference stock engine in a fresh process (control)")
     r.add_argument("--first", help="comma-separated name parts: matching cells run first")
+    r.add_argument("--copies", type=int, default=1,
+                   help="engines per mode and cell, run in the same waves; a cell is ok only "
+                        "when every copy gives its first engine's ids (determinism under a "
+                        "shared GPU)")
     r.add_argument("--resume", help="a gpu_engine_runs.json whose ok engines are kept, not rerun")
     r.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                    help="both engines' max_num_seqs (7: the draft model's later steps run at "

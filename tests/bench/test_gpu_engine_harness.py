@@ -318,3 +318,31 @@ def test_run_refuses_a_max_num_seqs_below_one(ge, tmp_path):
         ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--max-num-seqs", "0"])
     assert not (tmp_path / "o").exists()
+
+
+def test_copies_run_each_mode_again_and_fail_a_cell_whose_copy_differs(ge):
+    pcon = ge.Cell("v2", "fap", True, 7, "fp32", "gdn27b")
+    assert ge.modes(pcon, repeat=True, copies=2) == (
+        "stock", "onepage", ge.CONTROL, ge.AGAIN, "stock~1", "onepage~1", f"{ge.CONTROL}~1")
+    assert ge.base_mode("onepage~1") == "onepage" and ge.base_mode(ge.CONTROL) == ge.CONTROL
+    runs = _cell()
+    for m in ("stock", "onepage", "stock-blk"):
+        runs[f"{m}~1"] = copy.deepcopy(runs[m])
+        runs[f"{m}~1"].update(mode=f"{m}~1")
+    row = ge.compare_cell(runs)
+    assert row["ok"] and row["copies_diffs"] == {"onepage~1": [], "stock-blk~1": [],
+                                                 "stock~1": []}
+    # one-page's twin in the same wave gave other ids: the cell fails, and says where
+    runs["onepage~1"]["tokens"]["pc-chat"][0][1] = 9
+    row = ge.compare_cell(runs)
+    assert not row["ok"] and row["identical"]
+    assert row["copies_diffs"]["onepage~1"] == ["pc-chat[0]@1"]
+    assert "onepage~1 1 differ (pc-chat[0]@1)" in ge.markdown([row], {"command": "x"})
+
+
+def test_run_refuses_copies_out_of_range(ge, tmp_path):
+    for bad in ("0", "9"):
+        with pytest.raises(SystemExit, match=f"--copies {bad}: expected 1 to 8 engines per mode"):
+            ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
+                     "--copies", bad])
+    assert not (tmp_path / "o").exists()
