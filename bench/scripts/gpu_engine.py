@@ -123,7 +123,16 @@ AGAIN = "again"
 # Triton autotuning (vLLM's FLA prefill kernels) times its configs in each process and may keep
 # another config (another summation order) in another engine: `--autotune first` takes the first
 # valid config everywhere (vLLM's VLLM_TRITON_FORCE_FIRST_CONFIG), so engines stay comparable.
-AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {}}
+# That does not reach Inductor, which compiles the FULL_AND_PIECEWISE engines: it times reduction
+# configs (RBLOCK, num_warps: the summation order) on the device, and vLLM adds max-autotune and
+# coordinate descent for single-size ranges. Two engines compiling at once on a shared GPU (the
+# matrix's waves) can keep different ones: stop 38's flaky cell had stock-blk and one-page each
+# compile and save the same artifact in one wave (ids differed), then both load it alone (equal).
+# `pinned` (the matrix's default) also turns Inductor's on-device choices off.
+INDUCTOR_PINNED = {"TORCHINDUCTOR_DETERMINISTIC": "1", "VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE": "0",
+                   "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING": "0"}
+AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {},
+                "pinned": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1", **INDUCTOR_PINNED}}
 
 
 # "MODE~i" runs MODE again (i = 1 .. copies - 1), in the same wave of engines: whether an engine
@@ -235,7 +244,7 @@ def prefix_scenarios(block: int) -> list[dict]:
 
 def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                 gpu_memory_utilization: float, block_size: int | None = None,
-                pool: str = "small", prefix_block: int = 256, autotune: str = "first",
+                pool: str = "small", prefix_block: int = 256, autotune: str = "pinned",
                 max_num_seqs: int = MAX_NUM_SEQS):
     from r9k.devtools import engine_scenarios as es
     from r9k.devtools.engine_runs import EngineSpec
@@ -269,7 +278,7 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
 
 
 def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, util: float,
-               workdir: pathlib.Path, pool: str = "small", autotune: str = "first",
+               workdir: pathlib.Path, pool: str = "small", autotune: str = "pinned",
                max_num_seqs: int = MAX_NUM_SEQS) -> dict[str, Any]:
     from r9k.devtools import engine_runs
 
@@ -857,9 +866,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="forced (default): a roomy pool with vLLM's preemption run where the "
                         "tokens say, the same in both engines; roomy: no preemption; small: "
                         "the crowd preempts where the pool says (schedules then differ)")
-    r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="first",
-                   help="first: every Triton autotuner takes its first valid config (engines "
-                        "comparable across processes); vllm: vLLM's default timing")
+    r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="pinned",
+                   help="pinned (default): every Triton autotuner takes its first valid config "
+                        "and Inductor times nothing on the device (engines comparable across "
+                        "processes, also when they compile at once); first: Triton's only (runs "
+                        "up to stop 38); vllm: vLLM's default timing")
     r.add_argument("--repeat", action="store_true",
                    help="rerun each cell's reference stock engine in a fresh process (control)")
     r.add_argument("--first", help="comma-separated name parts: matching cells run first")

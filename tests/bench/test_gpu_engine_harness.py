@@ -212,6 +212,14 @@ def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
                            autotune="vllm")
     assert "scheduler_cls" not in plain.engine_kwargs
     assert "VLLM_TRITON_FORCE_FIRST_CONFIG" not in plain.env
+    # by default Inductor times nothing on the device either (engines compiling at once keep
+    # the same reduction configs); "first" pins Triton's autotuners only
+    assert {spec.env[k] for k in ge.INDUCTOR_PINNED} == {"1", "0"}
+    assert spec.env["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert spec.env["VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE"] == "0"
+    first = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, autotune="first")
+    assert first.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
+    assert not set(ge.INDUCTOR_PINNED) & set(first.env) and not set(ge.INDUCTOR_PINNED) & set(plain.env)
     # both engines admit the same count: 8 by default, 7 puts the draft steps on the added size
     assert spec.max_num_seqs == ge.MAX_NUM_SEQS == 8
     assert ge.engine_spec(pcon, "stock", tmp_path, 1 << 30, 0.04, max_num_seqs=7).max_num_seqs == 7
