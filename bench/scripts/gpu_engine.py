@@ -311,7 +311,17 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     # the plugin's own lines (page decision, draft-model graph sizes) from the start: the tail
     # above loses them behind a compiled engine's warnings
     out["log_r9k_lines"] = [line[-300:] for line in log.splitlines() if "r9k" in line][:30]
+    out["inductor"] = inductor_artifacts(log)
     return out
+
+
+def inductor_artifacts(log: str) -> str | None:
+    """Whether an engine compiled its graphs with Inductor ("compiled": it chose its own kernel
+    configs) or loaded what another engine had saved ("loaded"), from vLLM's AOT compile log
+    lines; None where it compiled nothing (eager, FULL_DECODE_ONLY)."""
+    saved = "saved AOT compiled function" in log
+    loaded = "Directly load AOT compilation" in log
+    return "both" if saved and loaded else "compiled" if saved else "loaded" if loaded else None
 
 
 # --- verdicts ------------------------------------------------------------------------------------
@@ -381,7 +391,10 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         compilation_mode=onepage["engine"]["compilation_mode"],
         block_size={m: r["engine"]["block_size"] for m, r in
                     (("stock", stock), ("onepage", onepage), (CONTROL, ref))},
-        gpu_s={m: r["wall_s"] for m, r in runs.items()})
+        gpu_s={m: r["wall_s"] for m, r in runs.items()},
+        # engines that compiled their own Inductor kernels may keep other configs when they
+        # compile at once (stop 38): which did
+        inductor={m: r.get("inductor") for m, r in runs.items()})
     # prefix caching on: hits (and in the small pool preemption) in both engines compared
     row["pool"] = onepage.get("pool", "small")
     row["prefix_caching"] = onepage["engine"]["mamba_cache_mode"] == "align"
@@ -416,6 +429,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+INDUCTOR_MARK = {"compiled": "c", "loaded": "l", "both": "cl"}
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     def pair(d):
         return f"{d['stock']} / {d['onepage']}"
@@ -430,7 +446,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            "many requests differ between the two stock engines (scheduling alone); 'again' "
            "how many differ between the compared stock engine and its rerun in a fresh "
            "process; 'copies' how many differ between an engine and its copy run in the same "
-           "waves (`--copies`).", "",
+           "waves (`--copies`). GPU s: each engine's wall time, marked c where it compiled "
+           "Inductor's kernels itself and l where it loaded another engine's.", "",
            "| cell | requests | tokens | identical | default stock | acceptance hist "
            "(stock = one-page) | prefix hits | preemptions | KV tokens engine = planner | "
            "block (stock / one-page / stock-blk) | cudagraph | GPU s | ok |",
@@ -459,12 +476,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             dflt += (f"{'; ' if dflt else ''}copies: " + ", ".join(
                 f"{m} {len(d)} differ" + (f" ({', '.join(d[:3])})" if d else "")
                 for m, d in r["copies_diffs"].items()))
+        marks = r.get("inductor") or {}
+        gpu_s = " / ".join(f"{v}{INDUCTOR_MARK.get(marks.get(m), '')}"
+                           for m, v in r["gpu_s"].items())
         out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
                    f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
                    f"{h}{'' if r['acceptance_varies'] else ' (not varied)'} | "
                    f"{pair(r['prefix_hits'])} | {pair(r['preemptions'])} | {kvs} | {blk} | "
                    f"{r['cudagraph_mode'].split('.')[-1]} | "
-                   f"{' / '.join(str(v) for v in r['gpu_s'].values())} | "
+                   f"{gpu_s} | "
                    f"{'yes' if r['ok'] else 'NO'} |")
     ok = sum(r["ok"] for r in rows)
     out += ["", f"{ok} of {len(rows)} cells ok."]

@@ -354,3 +354,20 @@ def test_run_refuses_copies_out_of_range(ge, tmp_path):
             ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
                      "--copies", bad])
     assert not (tmp_path / "o").exists()
+
+
+def test_inductor_artifacts_say_which_engines_compiled(ge):
+    saved = "INFO [decorators.py:743] [backbone] saved AOT compiled function to /x/model\n"
+    loaded = "INFO [decorators.py:700] Directly load AOT compilation from path /x/model\n"
+    assert ge.inductor_artifacts("start\n" + saved) == "compiled"
+    assert ge.inductor_artifacts(loaded + "done") == "loaded"
+    assert ge.inductor_artifacts(saved + loaded) == "both"
+    assert ge.inductor_artifacts("eager engine: nothing compiled") is None
+    runs = _cell()
+    runs["onepage"]["inductor"], runs["stock-blk"]["inductor"] = "compiled", "loaded"
+    row = ge.compare_cell(runs)
+    assert row["inductor"] == {"stock": None, "onepage": "compiled", "stock-blk": "loaded"}
+    table = ge.markdown([row], {"command": "x"})
+    line = next(ln for ln in table.splitlines() if ln.startswith(f"| {row['cell']} "))
+    wall = {m: r["wall_s"] for m, r in runs.items()}
+    assert f"| {wall['stock']} / {wall['onepage']}c / {wall['stock-blk']}l |" in line
