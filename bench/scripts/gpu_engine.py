@@ -128,7 +128,8 @@ AGAIN = "again"
 # coordinate descent for single-size ranges. Two engines compiling at once on a shared GPU (the
 # matrix's waves) can keep different ones: stop 38's flaky cell had stock-blk and one-page each
 # compile and save the same artifact in one wave (ids differed), then both load it alone (equal).
-# `pinned` (the matrix's default) also turns Inductor's on-device choices off.
+# `pinned` also turns Inductor's on-device choices off. Not the default until a GPU run shows it
+# compiles: torch's deterministic mode raises on benchmarking it has not vetted.
 INDUCTOR_PINNED = {"TORCHINDUCTOR_DETERMINISTIC": "1", "VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE": "0",
                    "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING": "0"}
 AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {},
@@ -244,7 +245,7 @@ def prefix_scenarios(block: int) -> list[dict]:
 
 def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                 gpu_memory_utilization: float, block_size: int | None = None,
-                pool: str = "small", prefix_block: int = 256, autotune: str = "pinned",
+                pool: str = "small", prefix_block: int = 256, autotune: str = "first",
                 max_num_seqs: int = MAX_NUM_SEQS):
     from r9k.devtools import engine_scenarios as es
     from r9k.devtools.engine_runs import EngineSpec
@@ -278,7 +279,7 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
 
 
 def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, util: float,
-               workdir: pathlib.Path, pool: str = "small", autotune: str = "pinned",
+               workdir: pathlib.Path, pool: str = "small", autotune: str = "first",
                max_num_seqs: int = MAX_NUM_SEQS) -> dict[str, Any]:
     from r9k.devtools import engine_runs
 
@@ -414,13 +415,18 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize(runs: list[dict[str, Any]], copies: int = 1, repeat: bool = False
+              ) -> list[dict[str, Any]]:
+    """A verdict per cell; a cell missing an engine the run asked for (a copy or the rerun cut
+    by the budget) fails."""
     by_cell: dict[str, dict[str, dict]] = {}
     for r in runs:
         by_cell.setdefault(r["cell"], {})[r["mode"]] = r
     rows = []
     for cell, got in by_cell.items():
-        want = {"stock", "onepage"} | ({CONTROL} if "-pcon-" in cell else set())
+        base = ("stock", "onepage") + ((CONTROL,) if "-pcon-" in cell else ())
+        want = (set(base) | ({AGAIN} if repeat else set())
+                | {f"{m}{COPY}{i}" for i in range(1, copies) for m in base})
         if want <= set(got):
             rows.append(compare_cell(got))
         else:
@@ -477,7 +483,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{m} {len(d)} differ" + (f" ({', '.join(d[:3])})" if d else "")
                 for m, d in r["copies_diffs"].items()))
         marks = r.get("inductor") or {}
-        gpu_s = " / ".join(f"{v}{INDUCTOR_MARK.get(marks.get(m), '')}"
+        named = any(COPY in m for m in r["gpu_s"])  # a dozen engines: say which is which
+        gpu_s = " / ".join(f"{m + ' ' if named else ''}{v}{INDUCTOR_MARK.get(marks.get(m), '')}"
                            for m, v in r["gpu_s"].items())
         out.append(f"| {r['cell']} | {r['requests']} | {r['tokens']} | "
                    f"{'yes' if r['identical'] else 'NO ' + ', '.join(r['diffs'][:4])} | {dflt} | "
@@ -771,11 +778,23 @@ def versions() -> dict[str, str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def resumable(runs: list[dict[str, Any]], pool: str, autotune: str, max_num_seqs: int
+              ) -> list[dict[str, Any]]:
+    """The engines of an earlier run a resumed run keeps: ok and of its settings (runs before
+    stop 38 recorded no max_num_seqs: 8; a run that recorded no autotune: first)."""
+    return [r for r in runs if r["ok"] and r.get("pool") == pool
+            and r.get("autotune", "first") == autotune
+            and r.get("max_num_seqs", MAX_NUM_SEQS) == max_num_seqs]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: expected a count of 1 or more")
     if not 1 <= args.copies <= 8:
         raise SystemExit(f"--copies {args.copies}: expected 1 to 8 engines per mode")
+    if args.copies > 1 and args.resume:
+        raise SystemExit("--copies with --resume: copies must run in the same waves as their "
+                         "first engines; run the cells afresh")
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -822,7 +841,8 @@ def run(args: argparse.Namespace) -> int:
     results_path = out / "gpu_engine_runs.json"
     done: list[dict[str, Any]] = []
     if args.resume:
-        done = [r for r in json.loads(pathlib.Path(args.resume).read_text())["runs"] if r["ok"]]
+        done = resumable(json.loads(pathlib.Path(args.resume).read_text())["runs"], args.pool,
+                         args.autotune, args.max_num_seqs)
     have = {(r["cell"], r["mode"]) for r in done}
     if args.first:  # cells whose names hold one of these run first (a run may end on budget)
         keys = args.first.split(",")
@@ -834,7 +854,7 @@ def run(args: argparse.Namespace) -> int:
     runs = list(done)
 
     def write() -> None:
-        rows = summarize(runs)
+        rows = summarize(runs, args.copies, args.repeat)
         results_path.write_text(json.dumps({"meta": meta, "cells": rows, "runs": runs}, indent=1))
         (out / "gpu_engine_summary.md").write_text(markdown(rows, meta))
 
@@ -856,7 +876,7 @@ def run(args: argparse.Namespace) -> int:
         for f in [pool.submit(job, c, m) for c, m in jobs]:
             f.result()
     write()
-    rows = summarize(runs)
+    rows = summarize(runs, args.copies, args.repeat)
     print(markdown(rows, meta))
     if args.save_caches:
         save_caches(out, log)
@@ -886,11 +906,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="forced (default): a roomy pool with vLLM's preemption run where the "
                         "tokens say, the same in both engines; roomy: no preemption; small: "
                         "the crowd preempts where the pool says (schedules then differ)")
-    r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="pinned",
-                   help="pinned (default): every Triton autotuner takes its first valid config "
-                        "and Inductor times nothing on the device (engines comparable across "
-                        "processes, also when they compile at once); first: Triton's only (runs "
-                        "up to stop 38); vllm: vLLM's default timing")
+    r.add_argument("--autotune", choices=sorted(AUTOTUNE_ENV), default="first",
+                   help="first (default): every Triton autotuner takes its first valid config "
+                        "(engines comparable across processes); pinned: also Inductor times "
+                        "nothing on the device (engines that compile at once keep the same "
+                        "configs; not yet run on a GPU); vllm: vLLM's default timing")
     r.add_argument("--repeat", action="store_true",
                    help="rerun each cell's reference stock engine in a fresh process (control)")
     r.add_argument("--first", help="comma-separated name parts: matching cells run first")
@@ -924,7 +944,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         return run(args)
     data = json.loads(pathlib.Path(args.results).read_text())
-    rows = summarize(data["runs"])
+    rows = summarize(data["runs"], data["meta"].get("copies", 1),
+                     data["meta"].get("repeat", False))
     text = markdown(rows, data["meta"])
     if args.md:
         pathlib.Path(args.md).write_text(text)

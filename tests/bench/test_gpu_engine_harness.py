@@ -212,14 +212,14 @@ def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
                            autotune="vllm")
     assert "scheduler_cls" not in plain.engine_kwargs
     assert "VLLM_TRITON_FORCE_FIRST_CONFIG" not in plain.env
-    # by default Inductor times nothing on the device either (engines compiling at once keep
-    # the same reduction configs); "first" pins Triton's autotuners only
-    assert {spec.env[k] for k in ge.INDUCTOR_PINNED} == {"1", "0"}
-    assert spec.env["TORCHINDUCTOR_DETERMINISTIC"] == "1"
-    assert spec.env["VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE"] == "0"
-    first = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, autotune="first")
-    assert first.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
-    assert not set(ge.INDUCTOR_PINNED) & set(first.env) and not set(ge.INDUCTOR_PINNED) & set(plain.env)
+    # "pinned": Inductor times nothing on the device either (engines compiling at once keep the
+    # same reduction configs); the default "first" pins Triton's autotuners only
+    pinned = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, autotune="pinned")
+    assert pinned.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
+    assert pinned.env["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert pinned.env["VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE"] == "0"
+    assert pinned.env["VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING"] == "0"
+    assert not set(ge.INDUCTOR_PINNED) & set(spec.env) and not set(ge.INDUCTOR_PINNED) & set(plain.env)
     # both engines admit the same count: 8 by default, 7 puts the draft steps on the added size
     assert spec.max_num_seqs == ge.MAX_NUM_SEQS == 8
     assert ge.engine_spec(pcon, "stock", tmp_path, 1 << 30, 0.04, max_num_seqs=7).max_num_seqs == 7
@@ -371,3 +371,41 @@ def test_inductor_artifacts_say_which_engines_compiled(ge):
     line = next(ln for ln in table.splitlines() if ln.startswith(f"| {row['cell']} "))
     wall = {m: r["wall_s"] for m, r in runs.items()}
     assert f"| {wall['stock']} / {wall['onepage']}c / {wall['stock-blk']}l |" in line
+
+
+def test_a_copy_or_rerun_the_budget_cut_fails_its_cell(ge):
+    runs = _cell()
+    pc_cell = runs["onepage"]["cell"]
+    for m in ("stock", "onepage", "stock-blk"):
+        runs[f"{m}~1"] = dict(copy.deepcopy(runs[m]), mode=f"{m}~1")
+    flat = list(runs.values())
+    assert "-pcon-" in pc_cell and [r["ok"] for r in ge.summarize(flat, copies=2)] == [True]
+    cut = [r for r in flat if r["mode"] != "onepage~1"]
+    row, = ge.summarize(cut, copies=2)
+    assert not row["ok"] and "onepage~1" in row["error"]
+    row, = ge.summarize(flat, copies=2, repeat=True)  # the rerun of stock-blk never ran
+    assert not row["ok"] and "again" in row["error"]
+    assert ge.summarize(cut)[0]["ok"]  # a run without copies asks for none
+
+
+def test_resume_keeps_only_engines_of_the_same_settings(ge, tmp_path):
+    with pytest.raises(SystemExit, match="--copies with --resume"):
+        ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--copies", "2", "--resume", str(tmp_path / "r.json")])
+    assert not (tmp_path / "o").exists()
+    runs = [{"ok": True, "mode": "stock", "pool": "forced"},  # before stop 38: first, 8
+            {"ok": True, "mode": "onepage", "pool": "forced", "autotune": "first",
+             "max_num_seqs": 7},
+            {"ok": True, "mode": "stock-blk", "pool": "forced", "autotune": "pinned",
+             "max_num_seqs": 8},
+            {"ok": True, "mode": "again", "pool": "small"},
+            {"ok": False, "mode": "stock~1", "pool": "forced"}]
+
+    def kept(**settings):
+        return [r["mode"] for r in ge.resumable(runs, **settings)]
+
+    assert kept(pool="forced", autotune="first", max_num_seqs=8) == ["stock"]
+    assert kept(pool="forced", autotune="first", max_num_seqs=7) == ["onepage"]
+    assert kept(pool="forced", autotune="pinned", max_num_seqs=8) == ["stock-blk"]
+    assert kept(pool="small", autotune="first", max_num_seqs=8) == ["again"]
+    assert kept(pool="roomy", autotune="vllm", max_num_seqs=8) == []
