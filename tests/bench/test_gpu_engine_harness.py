@@ -409,3 +409,36 @@ def test_resume_keeps_only_engines_of_the_same_settings(ge, tmp_path):
     assert kept(pool="forced", autotune="pinned", max_num_seqs=8) == ["stock-blk"]
     assert kept(pool="small", autotune="first", max_num_seqs=8) == ["again"]
     assert kept(pool="roomy", autotune="vllm", max_num_seqs=8) == []
+
+
+def test_a_copy_runs_as_its_mode(ge, tmp_path, monkeypatch):
+    """run_engine with copy modes, the engine process replaced: a one-page copy asks for one-page
+    pages and the planner's figure, a stock-blk copy for stock pages at one-page's block size."""
+    import json
+
+    from r9k.devtools import engine_runs
+    from r9k.devtools.tiny_model import build_config
+
+    model = tmp_path / "models" / "gdn27b"
+    model.mkdir(parents=True)
+    model.joinpath("config.json").write_text(json.dumps(
+        build_config(parse_overrides(ge.MODELS["gdn27b"]))))
+    specs = {}
+
+    def fake_run(spec, timeout_s, workdir):
+        specs[Path(workdir).name] = spec
+        raise RuntimeError("no engine here")
+
+    monkeypatch.setattr(engine_runs, "run", fake_run)
+    pcon = ge.Cell("v2", "fap", True, 7, "fp32", "gdn27b")
+    out = {m: ge.run_engine(pcon, m, tmp_path / "models", 60, 0.04, tmp_path, pool="forced")
+           for m in ("onepage", "onepage~1", "stock-blk", "stock-blk~2", "stock~1")}
+    assert all(not r["ok"] and "no engine here" in r["error"] for r in out.values())
+    gdn = {m: specs[f"{pcon.name}-{m}"].gdn_state for m in out}
+    assert gdn == {"onepage": "onepage", "onepage~1": "onepage", "stock-blk": "stock",
+                   "stock-blk~2": "stock", "stock~1": "stock"}
+    blocks = {m: specs[f"{pcon.name}-{m}"].engine_kwargs.get("block_size") for m in out}
+    assert blocks["stock-blk~2"] == blocks["stock-blk"] == out["onepage"]["planner_block"]
+    assert blocks["onepage~1"] is None and blocks["stock~1"] is None
+    assert out["onepage~1"]["planner_tokens"] == out["onepage"]["planner_tokens"]
+    assert out["stock-blk~2"]["planner_tokens"] is None
