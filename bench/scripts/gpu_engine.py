@@ -142,7 +142,12 @@ COPY = "~"
 
 
 def modes(cell: Cell, repeat: bool = False, copies: int = 1) -> tuple[str, ...]:
-    ms = ("stock", "onepage", CONTROL) if cell.prefix_caching else ("stock", "onepage")
+    return cell_modes(cell.prefix_caching, repeat, copies)
+
+
+def cell_modes(prefix_caching: bool, repeat: bool = False, copies: int = 1) -> tuple[str, ...]:
+    """The engines a cell runs (and its verdict wants)."""
+    ms = ("stock", "onepage", CONTROL) if prefix_caching else ("stock", "onepage")
     ms = ms + (AGAIN,) if repeat else ms
     return ms + tuple(f"{m}{COPY}{i}" for i in range(1, copies) for m in ms if m != AGAIN)
 
@@ -311,9 +316,14 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
                        or "WARNING" in line][-40:]
     # the plugin's own lines (page decision, draft-model graph sizes) from the start: the tail
     # above loses them behind a compiled engine's warnings
-    out["log_r9k_lines"] = [line[-300:] for line in log.splitlines() if "r9k" in line][:30]
+    out["log_r9k_lines"] = plugin_lines(log)
     out["inductor"] = inductor_artifacts(log)
     return out
+
+
+def plugin_lines(log: str) -> list[str]:
+    """The plugin's own log lines (page decision, draft-model graph sizes), from the start."""
+    return [line[-300:] for line in log.splitlines() if "r9k" in line][:30]
 
 
 def inductor_artifacts(log: str) -> str | None:
@@ -424,9 +434,7 @@ def summarize(runs: list[dict[str, Any]], copies: int = 1, repeat: bool = False
         by_cell.setdefault(r["cell"], {})[r["mode"]] = r
     rows = []
     for cell, got in by_cell.items():
-        base = ("stock", "onepage") + ((CONTROL,) if "-pcon-" in cell else ())
-        want = (set(base) | ({AGAIN} if repeat else set())
-                | {f"{m}{COPY}{i}" for i in range(1, copies) for m in base})
+        want = set(cell_modes("-pcon-" in cell, repeat, copies))
         if want <= set(got):
             rows.append(compare_cell(got))
         else:

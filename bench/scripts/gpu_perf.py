@@ -127,7 +127,7 @@ def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix
     res["log_graph_lines"] = [ln[-300:] for ln in log.splitlines()
                               if "graph" in ln.lower() or "compil" in ln.lower()][-30:]
     # the plugin's own lines (page decision, align copies as CUDA graphs), whatever came after
-    res["log_r9k_lines"] = [ln[-300:] for ln in log.splitlines() if "r9k" in ln][:30]
+    res["log_r9k_lines"] = ge.plugin_lines(log)
     res.pop("tokens", None)  # schedules differ between the modes: the ids are not compared here
     return res
 
