@@ -23,7 +23,8 @@ def _why_not(name: str, desc: dict, wanted: dict[str, ReplicaSlot], hosts: set[s
         return "not in the fleet file any more"
     if not (desc.get("alive") and desc.get("engine")):
         return "its engine is not running"
-    if spec.get("host") not in hosts or any(b in pool.unusable for b in spec.get("cards", [])):
+    host = spec.get("host")
+    if host not in hosts or any((host, b) in pool.unusable for b in spec.get("cards", [])):
         return f"its cards {spec.get('host')} {spec.get('cards')} are not usable now"
     return None
 

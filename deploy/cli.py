@@ -29,10 +29,8 @@ def _load(config: str):
     try:
         cfg = load_fleet(config)
         if cfg.hosts:  # the inventory is in the file: refuse what cannot fit before Ray starts
-            from r9k.ops.state import read_card_states
-
-            bad = read_card_states(cfg.ops_state_dir).unhealthy()  # a corrupt card file counts as fenced
-            check_fits(cfg, cfg.hosts, unusable_cards(cfg, bad))
+            # (the avoid list only: each host's fences are read there, by the controller's agents)
+            check_fits(cfg, cfg.hosts, unusable_cards(cfg, cfg.hosts))
     except FleetConfigError as exc:
         raise BadInput(str(exc)) from None
     return cfg
@@ -192,27 +190,59 @@ def status(url: str | None, run_dir: str | None, as_json: bool) -> None:
             click.echo(f"card {c['bdf']} on {c['host']}: not used ({c['reason']})")
 
 
+def _card_body(card: str, host: str | None) -> dict:
+    from r9k.ops.state import BDF_RE
+
+    if not BDF_RE.match(card):
+        raise BadInput(f"--card {card!r}: expected a full PCI address like 0000:03:00.0")
+    if host is not None and not host.strip():
+        raise BadInput("--host is empty; expected the host's name (its Ray label r9k.host)")
+    return {"card": card, "host": host}
+
+
+host_option = click.option(
+    "--host", envvar="R9K_FLEET_HOST",
+    help="the card's host (its r9k.host label; env R9K_FLEET_HOST): needed where hosts share "
+    "PCI addresses")
+
+
 @fleet.command()
 @click.argument("replica", required=False)
 @click.option("--card", envvar="R9K_BDF", help="drain every replica on this card (PCI address); "
               "env R9K_BDF, so it works as an ops hook")
+@host_option
 @url_option
 @run_dir_option
-def drain(replica: str | None, card: str | None, url: str | None, run_dir: str | None) -> None:
-    """Finish in-flight requests, stop routing, stop the replica (REPLICA or every one on --card)."""
+def drain(replica: str | None, card: str | None, host: str | None, url: str | None,
+          run_dir: str | None) -> None:
+    """Finish in-flight requests, stop routing, stop the replica (REPLICA or every one on --card).
+
+    A card drained by an operator stays out of use (across controller restarts) until
+    `r9k fleet undrain --card`; one drained by the ops hook (R9K_EVENT set) returns when
+    `r9k ops clear` clears it on its host."""
     if bool(replica) == bool(card):
         raise BadInput("give a REPLICA name or --card BDF (one of them)")
     if card:
-        from r9k.ops.state import BDF_RE
-
-        if not BDF_RE.match(card):
-            raise BadInput(f"--card {card!r}: expected a full PCI address like 0000:03:00.0")
-        reason = os.environ.get("R9K_EVENT")
-        body = {"card": card, "reason": f"ops event {reason}" if reason else "drained by operator"}
+        body = _card_body(card, host)
+        event = os.environ.get("R9K_EVENT")
+        if event:
+            body["event"] = event
     else:
         body = {"replica": replica}
     out = _call(_controller_url(url, run_dir), "/fleet/drain", body)
-    click.echo(f"draining {', '.join(out['drained']) or 'nothing'}" + (f" (card {card})" if card else ""))
+    click.echo(f"draining {', '.join(out['drained']) or 'nothing'}"
+               + (f" (card {out.get('card', card)})" if card else ""))
+
+
+@fleet.command()
+@click.option("--card", required=True, help="the card an operator drained (PCI address)")
+@host_option
+@url_option
+@run_dir_option
+def undrain(card: str, host: str | None, url: str | None, run_dir: str | None) -> None:
+    """Return a card an operator drained (`fleet drain --card`) to service."""
+    out = _call(_controller_url(url, run_dir), "/fleet/undrain", _card_body(card, host))
+    click.echo(f"card {out['card']} returned to service")
 
 
 @fleet.command()

@@ -187,6 +187,14 @@ class EntrySpec(_Strict):
     # r9k.deploy.routing: pool-aware | least-outstanding | prefix-affinity | round-robin
     routing: Literal["pool-aware", "least-outstanding", "prefix-affinity", "round-robin"] = "pool-aware"
     prefix_chars: StrictInt = Field(default=1024, ge=1)  # prefix affinity's key length
+    # Upstream bounds: a replica that vanished (its host gone) or froze never holds a request
+    # longer than these. First byte: a plain answer arrives whole, so it is the longest.
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_byte_timeout_s: float = Field(default=600.0, gt=0)
+    chunk_timeout_s: float = Field(default=60.0, gt=0)     # between two chunks of a stream
+    # An entry point on another host (`r9k fleet entry`) serves the controller's last routing
+    # state this long while the controller does not answer, then answers 503.
+    state_stale_s: float = Field(default=60.0, gt=0)
 
     @property
     def loopback(self) -> bool:
@@ -207,11 +215,15 @@ class PlacementSpec(_Strict):
     cpus_per_card: float = Field(default=1.0, ge=0)
     gpu_resource: Union[bool, None] = None   # ask bundles for Ray's GPU too; default: platform gpu
 
+    # a placement group not ready this long (its host went away meanwhile, its resources are
+    # held elsewhere) is removed, its cards freed, and the replica placed again after a backoff
+    timeout_s: float = Field(default=120.0, gt=0)
+
     @field_validator("avoid_cards")
     @classmethod
     def _avoid(cls, cards: list[str]) -> list[str]:
-        for c in cards:
-            CardSpec(bdf=c)
+        for c in cards:  # BDF (on every host) or host/BDF (on that host)
+            CardSpec(bdf=c.rpartition("/")[2])
         return cards
 
 
@@ -237,6 +249,8 @@ class FleetConfig(_Strict):
     exporter: Union[ExporterSpec, None] = ExporterSpec()
     replica_bind: Literal["127.0.0.1", "node-ip"] = "127.0.0.1"
     replica_ports: StrictStr = "8100-8199"
+    # each host's ops state dir, read there by the host's agent; "{host}" is replaced by the
+    # host's name (hosts that share a filesystem)
     ops_state_dir: StrictStr = DEFAULT_STATE_DIR
     run_dir: Union[StrictStr, None] = None    # logs and the controller file; default ~/.local/state/r9k/fleet
     hosts: list[HostSpec] = []                # inventory; empty: discovered on the Ray nodes
@@ -263,6 +277,10 @@ class FleetConfig(_Strict):
     def port_range(self) -> tuple[int, int]:
         lo, _, hi = self.replica_ports.partition("-")
         return int(lo), int(hi)
+
+    def host_state_dir(self, host: str) -> str:
+        """The ops state dir of ``host`` as its agent reads it."""
+        return self.ops_state_dir.replace("{host}", host)
 
     @property
     def use_gpu_resource(self) -> bool:
@@ -324,10 +342,17 @@ def _check_consistency(cfg: FleetConfig, source: str) -> None:
     hosts = [h.name for h in cfg.hosts]
     if len(set(hosts)) != len(hosts):
         raise FleetConfigError(f"{source}: hosts: a host name appears twice")
-    all_cards = [c.bdf for h in cfg.hosts for c in h.cards]
-    if len(set(all_cards)) != len(all_cards):
-        twice = sorted(b for b in all_cards if all_cards.count(b) > 1)[0]
-        raise FleetConfigError(f"{source}: hosts: card {twice} is listed on two hosts")
+    # identical servers have identical PCI addresses: a card is (host, address)
+    if cfg.replica_bind == "127.0.0.1" and len(cfg.hosts) > 1:
+        raise FleetConfigError(f"{source}: replica_bind 127.0.0.1 with {len(cfg.hosts)} hosts: the "
+                               "controller could reach only its own host's replicas; expected "
+                               "replica_bind: node-ip")
+    host_names = set(hosts)
+    for entry in cfg.placement.avoid_cards:
+        host, sep, _ = entry.rpartition("/")
+        if sep and cfg.hosts and host not in host_names:
+            raise FleetConfigError(f"{source}: placement.avoid_cards: {entry!r} names host {host!r}, "
+                                   f"which hosts does not list; expected one of {', '.join(hosts)}")
     if cfg.platform == "cpu":
         for h in cfg.hosts:
             for c in h.cards:

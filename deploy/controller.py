@@ -25,11 +25,12 @@ from r9k.deploy.engine import launch_spec, prove_pages, rccl_env
 from r9k.deploy.exporter_sidecar import ExporterSidecar
 from r9k.deploy.entry import Backend, EntryPoint, Route, serve
 from r9k.deploy.routing import EngineLoad
-from r9k.deploy.lifecycle import (LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
+from r9k.deploy.lifecycle import (DRAINING, LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)
-from r9k.deploy.placement import (Assignment, CardPool, PlacementError, ReplicaSlot, check_fits,
-                                  place_one, plan_placement, replica_slots, unusable_cards)
+from r9k.deploy.placement import (Assignment, CardKey, CardPool, PlacementError, ReplicaSlot,
+                                  card_label, check_fits, parse_card_label, place_one,
+                                  plan_placement, replica_slots, unusable_cards)
 from r9k.deploy.probes import HttpProbe
 from r9k.fleet_status import CardStatus, ExporterStatus, FleetStatus, PlanStatus, ReplicaStatus
 from r9k.http_client import host_url
@@ -38,6 +39,7 @@ from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 log = logging.getLogger("r9k.fleet")
 CONTROLLER_FILE = "controller.json"
+FENCES_FILE = "fences.json"        # cards an operator drained: kept across controller restarts
 ADOPT_PROBE_TIMEOUT_S = 20.0      # a restarted controller re-proves adopted replicas before serving
 HISTORY_LINES = 20
 
@@ -64,7 +66,13 @@ class Replica:
     pid: int | None = None
     engine_pids: list[int] = field(default_factory=list)
     task: asyncio.Task | None = None      # launch / restart / drain in progress
+    probe_task: asyncio.Task | None = None  # one probe at a time, never waited on by others
     history: list[str] = field(default_factory=list)
+
+    @property
+    def card_keys(self) -> list[CardKey]:
+        a = self.assignment
+        return [(a.host, b) for b in a.cards] if a else []
 
     def event(self, text: str) -> None:
         self.history.append(f"{time.strftime('%H:%M:%S')} {text}")
@@ -84,9 +92,15 @@ class FleetController(Backend):
         self.api_key = cfg.api_key()
         self.replicas: dict[str, Replica] = {}
         self.hosts: list[HostSpec] = []
+        self.nodes: dict[str, str] = {}          # live host -> Ray node id, read every tick
         self.pool: CardPool | None = None
+        self.fences: dict[CardKey, str] = {}     # ops' (every host's) and operators' fences
+        self.fence_task: asyncio.Task | None = None
         self.entry = EntryPoint(self, api_key=self.api_key, routing=cfg.entry.routing,
-                                prefix_chars=cfg.entry.prefix_chars)
+                                prefix_chars=cfg.entry.prefix_chars,
+                                connect_timeout_s=cfg.entry.connect_timeout_s,
+                                first_byte_timeout_s=cfg.entry.first_byte_timeout_s,
+                                chunk_timeout_s=cfg.entry.chunk_timeout_s)
         self.runner = None
         self.session: aiohttp.ClientSession | None = None
         self.probe: HttpProbe | None = None
@@ -104,18 +118,44 @@ class FleetController(Backend):
     def url(self) -> str:
         return host_url(self.cfg.entry.host, self.cfg.entry.port)
 
-    def ops_unhealthy(self) -> dict[str, str]:
-        from r9k.ops.state import read_card_states
+    def _operator_fences(self) -> dict[CardKey, str]:
+        try:
+            doc = json.loads((self.run_dir / FENCES_FILE).read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise PlacementError(f"{self.run_dir / FENCES_FILE}: unreadable ({exc}); expected "
+                                 "the JSON the controller writes, {\"host/BDF\": reason}") from None
+        return {parse_card_label(k): str(v) for k, v in doc.items() if "/" in k}
 
-        return read_card_states(self.cfg.ops_state_dir).unhealthy()  # corrupt card files count as fenced
+    def _save_operator_fences(self) -> None:
+        from r9k.deploy.lifecycle import FAULT_FROM_OPS
+
+        doc = {card_label(k): why for k, why in self.fences.items() if not why.startswith(FAULT_FROM_OPS)}
+        tmp = self.run_dir / (FENCES_FILE + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        tmp.replace(self.run_dir / FENCES_FILE)
+
+    def _unusable(self) -> dict[CardKey, str]:
+        """Avoided cards on the live hosts, then every fence (ops' on each host, operators')."""
+        out = unusable_cards(self.cfg, self.hosts)
+        out.update(self.fences)
+        return out
 
     async def start(self) -> None:
         """Validate against the cluster (raises before anything starts), adopt the replicas a
         previous controller left running, place and launch the rest, serve the entry point."""
+        from r9k.deploy.lifecycle import FAULT_FROM_OPS
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.started_ray = self.ray_side.connect(self.cfg)
-        self.hosts = await self.ray_side.inventory(self.cfg)
-        unusable = unusable_cards(self.cfg, self.ops_unhealthy())
+        self.nodes = self.ray_side.live_hosts(self.cfg)
+        self.hosts = await self.ray_side.inventory(self.cfg, self.nodes)
+        self._check_reachable(self.hosts)
+        self.fences = self._operator_fences()
+        for host, states in (await self.ray_side.host_fences(self.cfg, self.nodes)).items():
+            self.fences.update({(host, b): FAULT_FROM_OPS + why for b, why in states.items()})
+        unusable = self._unusable()
         check_fits(self.cfg, self.hosts, unusable)
         self.pool = CardPool(self.hosts, unusable)
         slots = replica_slots(self.cfg)
@@ -123,7 +163,7 @@ class FleetController(Backend):
                                   self.api_key)
         for name, (a, _, _) in adopted.items():
             for bdf in a.cards:
-                self.pool.in_use[bdf] = name
+                self.pool.in_use[(a.host, bdf)] = name
         placed = plan_placement([s for s in slots if s.name not in adopted], self.pool,
                                 self.cfg.platform)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
@@ -151,6 +191,13 @@ class FleetController(Backend):
         (self.run_dir / CONTROLLER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "url": self.url, "config": self.config_path}))
 
+    def _check_reachable(self, hosts: list[HostSpec]) -> None:
+        """Replicas bound to loopback are reachable from this host only."""
+        if self.cfg.replica_bind == "127.0.0.1" and len(hosts) > 1:
+            raise PlacementError(f"replica_bind 127.0.0.1 with {len(hosts)} hosts in the cluster "
+                                 f"({', '.join(h.name for h in hosts)}): the controller could reach "
+                                 "only its own host's replicas; expected replica_bind: node-ip")
+
     def _launch_spec(self, model: ModelSpec, a: Assignment) -> tuple[list[str], dict[str, str], dict]:
         return launch_spec(model, self.cfg, a, self.hosts, self.api_key)
 
@@ -176,13 +223,21 @@ class FleetController(Backend):
             await coro
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a lifecycle step failed: the replica says why
-            self._note(r, r.lc.step_failed(f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a lifecycle step failed: cards freed, the replica says why
+            try:
+                await self._release(r, grace_s=0.0)
+            except Exception:
+                log.exception("%s: release after a failed step", r.name)
+            self._note(r, r.lc.step_failed(time.monotonic(), f"{type(exc).__name__}: {exc}"))
         finally:
-            r.task = None
+            if r.task is asyncio.current_task():
+                r.task = None
 
     def _note(self, r: Replica, actions: list[Action]) -> None:
         """Actions that need no waiting: notes, and failures (each in the replica's own task)."""
+        if r.route is not None and r.lc.state not in (READY, DRAINING, LOADING):
+            # unhealthy or stopped: its in-flight requests end now (retried or an error event)
+            r.route.abort(f"replica {r.name} {r.lc.state}: {r.lc.reason}")
         for a in actions:
             if isinstance(a, Note):
                 r.event(a.text)
@@ -235,24 +290,26 @@ class FleetController(Backend):
         r.pid = info["pid"]
         self._note(r, r.lc.engine_started(time.monotonic(), info["start"], info["pid"], info["url"], info["log"]))
 
-    async def _release(self, r: Replica) -> None:
+    async def _release(self, r: Replica, grace_s: float | None = None) -> None:
+        if r.route is not None:
+            r.route.abort(f"replica {r.name} released")
         if r.ray is not None:
-            await r.ray.release(self.cfg.health.drain_timeout_s)
+            await r.ray.release(self.cfg.health.drain_timeout_s if grace_s is None else grace_s)
         r.ray = r.route = None
         r.pid, r.engine_pids = None, []
-        if self.pool is not None and r.assignment is not None:
-            for bdf in r.assignment.cards:
-                self.pool.in_use.pop(bdf, None)
+        if self.pool is not None:
+            self.pool.release(r.name)
 
     async def _fail(self, r: Replica, reason: str) -> None:
         await self._carry_out(r, r.lc.fail(time.monotonic(), reason))
 
     async def _replace(self, r: Replica, why: str) -> None:
         assert self.pool is not None
+        self.pool.release(r.name)
         try:
             r.assignment = place_one(ReplicaSlot(r.name, r.model.name, r.model.tp), self.pool, self.cfg.platform)
         except PlacementError as exc:
-            self._note(r, r.lc.not_placed(why, str(exc)))
+            self._note(r, r.lc.not_placed(time.monotonic(), why, str(exc)))
             return
         self._note(r, r.lc.placed(r.assignment.host, r.assignment.cards, why))
         await self._launch(r)
@@ -288,13 +345,23 @@ class FleetController(Backend):
     # -- health -----------------------------------------------------------------------------------
 
     async def _monitor(self) -> None:
+        """Each tick: the live hosts, each host's fences, placements due, one probe per replica.
+        Nothing here waits on a replica or a host: probes and fence reads run as their own
+        tasks, so a frozen replica or a vanished host delays no other."""
         while not self.stopping.is_set():
             try:
                 if self.exporter is not None and not self.stopping.is_set():
                     self.exporter.supervise()
-                self._ops_poll()
-                await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())
-                                       if r.task is None and r.lc.state in PROBED_STATES))
+                await self._inventory_tick()
+                if self.fence_task is None or self.fence_task.done():
+                    self.fence_task = asyncio.create_task(self._ops_poll())
+                now = time.monotonic()
+                for r in list(self.replicas.values()):
+                    if r.task is None and r.lc.placement_due(now, self.stopping.is_set()):
+                        self._spawn(r, self._replace(r, r.lc.reason or "placing again"))
+                    elif (r.task is None and r.lc.state in PROBED_STATES
+                          and (r.probe_task is None or r.probe_task.done())):
+                        r.probe_task = asyncio.create_task(self._probe_guarded(r))
             except Exception:
                 log.exception("health tick failed")
             try:
@@ -302,32 +369,99 @@ class FleetController(Backend):
             except asyncio.TimeoutError:
                 pass
 
-    def _ops_poll(self) -> None:
-        """Cards ops fenced: not placed on again; replicas on them drained and placed elsewhere."""
+    async def _inventory_tick(self) -> None:
+        """Hosts that left (or came back as a new Ray node) and hosts that joined: replicas of a
+        lost host are placed again on a live one; unplaced replicas try again when one joins."""
         if self.pool is None:
             return
         try:
-            unhealthy = self.ops_unhealthy()
-        except OSError:
+            nodes = self.ray_side.live_hosts(self.cfg)
+        except Exception as exc:  # the GCS is away: keep the last view (Ray head loss: README)
+            log.warning("cannot list the Ray nodes (%s); keeping the last inventory", exc)
             return
-        fence, unfence = ops_fence_changes(unhealthy, self.pool.unusable)
-        for bdf, why in fence.items():
-            self.fence(bdf, why)
-        for bdf in unfence:
-            del self.pool.unusable[bdf]   # `r9k ops clear` returned it
+        if nodes == self.nodes:
+            return
+        lost = {h for h, nid in self.nodes.items() if nodes.get(h) != nid}
+        joined = {h for h, nid in nodes.items() if self.nodes.get(h) != nid}
+        self.nodes = nodes
+        self.hosts = await asyncio.wait_for(self.ray_side.inventory(self.cfg, nodes), 30)
+        self.pool.hosts = self.hosts
+        self.pool.unusable = self._unusable()
+        now = time.monotonic()
+        for h in sorted(lost):
+            log.warning("host %s left the cluster", h)
+        for h in sorted(joined):
+            log.info("host %s joined the cluster", h)
+        for r in self.replicas.values():
+            if r.assignment is not None and r.assignment.host in lost and r.lc.state != STOPPED \
+                    and (r.ray is not None or r.task is not None):
+                if r.task is not None:
+                    r.task.cancel()
+                self._spawn(r, self._host_lost(r, r.assignment.host))
+            elif joined:
+                r.lc.hosts_changed(now)
 
-    def fence(self, bdf: str, why: str) -> list[str]:
-        """Mark a card unusable and drain (then re-place) every replica on it."""
-        if self.pool is not None and bdf not in self.pool.unusable:
-            self.pool.unusable[bdf] = why
-        cards = {n: r.assignment.cards for n, r in self.replicas.items() if r.assignment}
-        drained = replicas_to_drain(bdf, cards, {n: r.lc for n, r in self.replicas.items()})
+    async def _host_lost(self, r: Replica, host: str) -> None:
+        self._note(r, r.lc.host_lost(time.monotonic(), host))
+        if r.route is not None:
+            r.route.abort(f"replica {r.name}: host {host} lost")
+        if r.ray is not None:
+            await r.ray.release_lost()
+        r.ray = r.route = None
+        r.pid, r.engine_pids = None, []
+        await self._replace(r, f"host {host} lost")
+
+    async def _ops_poll(self) -> None:
+        """Cards ops fenced on any host (read there by its agent): not placed on again; replicas
+        on them drained and placed elsewhere; cards `r9k ops clear` returned are used again."""
+        if self.pool is None:
+            return
+        try:
+            states = await self.ray_side.host_fences(self.cfg, dict(self.nodes))
+        except Exception as exc:
+            log.warning("reading the hosts' ops state failed: %s", exc)
+            return
+        fence, unfence = ops_fence_changes(states, self.fences)
+        for key, why in fence.items():
+            self.fence(key, why)
+        for key in unfence:
+            self.fences.pop(key, None)
+            self.pool.unusable.pop(key, None)   # `r9k ops clear` returned it
+            log.info("card %s returned to service by ops", card_label(key))
+
+    def fence(self, card: CardKey, why: str) -> list[str]:
+        """Mark a card (host, BDF) unusable and drain (then re-place) every replica on it."""
+        self.fences[card] = why
+        if self.pool is not None:
+            self.pool.unusable[card] = why
+        cards = {n: r.card_keys for n, r in self.replicas.items()}
+        drained = replicas_to_drain(card, cards, {n: r.lc for n, r in self.replicas.items()})
         for name in drained:
             r = self.replicas[name]
             if r.task is not None:
                 r.task.cancel()
-            self._spawn(r, self.drain(r, f"card {bdf} fenced: {why}", replace=True))
+            self._spawn(r, self.drain(r, f"card {card_label(card)} fenced: {why}", replace=True))
         return drained
+
+    def resolve_card(self, bdf: str, host: str | None) -> CardKey:
+        """An admin request's card: (host, BDF); without a host, the one host that has it."""
+        if host:
+            if not any(h.name == host and any(c.bdf == bdf for c in h.cards) for h in self.hosts):
+                raise ValueError(f"no card {bdf} on host {host!r}; cards: "
+                                 + ", ".join(card_label((h.name, c.bdf)) for h in self.hosts for c in h.cards))
+            return host, bdf
+        on = [h.name for h in self.hosts if any(c.bdf == bdf for c in h.cards)]
+        if len(on) != 1:
+            raise ValueError(f"card {bdf} is on {len(on)} hosts ({', '.join(on) or 'none'}); "
+                             "expected a host (--host, or the ops hook's R9K_FLEET_HOST)")
+        return on[0], bdf
+
+    async def _probe_guarded(self, r: Replica) -> None:
+        try:
+            if r.task is None and r.ray is not None and r.route is not None:
+                await self._probe(r)
+        except Exception:
+            log.exception("%s: probe failed", r.name)
 
     async def _probe(self, r: Replica) -> None:
         """One look at a replica: supervisor report, /health, /metrics once; the lifecycle decides."""
@@ -396,9 +530,9 @@ class FleetController(Backend):
         live = [self.describe(r) for r in self.replicas.values() if r.lc.state != STOPPED and r.route]
         stopped = [self.describe(r) for r in self.replicas.values() if r.lc.state == STOPPED or not r.route]
         cards = [CardStatus(bdf=c.bdf, host=h.name,
-                            replica=self.pool.in_use.get(c.bdf) if self.pool else None,
-                            usable=not (self.pool and c.bdf in self.pool.unusable),
-                            reason=self.pool.unusable.get(c.bdf) if self.pool else None)
+                            replica=self.pool.in_use.get((h.name, c.bdf)) if self.pool else None,
+                            usable=not (self.pool and (h.name, c.bdf) in self.pool.unusable),
+                            reason=self.pool.unusable.get((h.name, c.bdf)) if self.pool else None)
                  for h in self.hosts for c in h.cards]
         plans = {name: PlanStatus(stock_tokens=p.stock.tokens, onepage_tokens=p.onepage.tokens,
                                   stock_blocks=p.stock.num_blocks, onepage_blocks=p.onepage.num_blocks)
@@ -407,10 +541,33 @@ class FleetController(Backend):
                            exporter=self.exporter_status())
 
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if action in ("drain", "undrain") and body.get("card"):
+            from r9k.deploy.lifecycle import FAULT_FROM_OPS
+
+            try:
+                card = self.resolve_card(str(body["card"]), body.get("host") or None)
+            except ValueError as exc:
+                return 400, {"error": str(exc)}
+            if action == "undrain":
+                why = self.fences.get(card)
+                if why is None or why.startswith(FAULT_FROM_OPS):
+                    return 409, {"error": f"card {card_label(card)} is "
+                                 + ("not drained" if why is None else
+                                    f"fenced by ops ({why}); `r9k ops clear` on {card[0]} returns it")}
+                del self.fences[card]
+                self._save_operator_fences()
+                if self.pool is not None:
+                    self.pool.unusable.pop(card, None)
+                return 200, {"card": card_label(card), "undrained": True}
+            # the ops hook says which event: an ops fence, undone by `r9k ops clear` there
+            event = body.get("event")
+            why = (FAULT_FROM_OPS + f"ops event {event}" if event
+                   else str(body.get("reason") or "drained by operator"))
+            drained = self.fence(card, why)
+            if not event:
+                self._save_operator_fences()
+            return 200, {"card": card_label(card), "drained": drained}
         if action == "drain":
-            if body.get("card"):
-                drained = self.fence(body["card"], str(body.get("reason") or "drained by operator"))
-                return 200, {"card": body["card"], "drained": drained}
             r = self.replicas.get(body.get("replica", ""))
             if r is None:
                 return 404, {"error": f"no replica {body.get('replica')!r}; replicas: {', '.join(self.replicas)}"}
@@ -423,7 +580,7 @@ class FleetController(Backend):
         if action == "down":
             asyncio.get_running_loop().call_later(0.1, self.stopping.set)
             return 200, {"stopping": True}
-        return 404, {"error": f"unknown action {action!r}; expected drain, restart or down"}
+        return 404, {"error": f"unknown action {action!r}; expected drain, undrain (card), restart or down"}
 
     # -- shutdown ---------------------------------------------------------------------------------
 
@@ -431,9 +588,14 @@ class FleetController(Backend):
         self.stopping.set()
         if self.monitor_task:
             self.monitor_task.cancel()
+        if self.fence_task:
+            self.fence_task.cancel()
         for r in self.replicas.values():
-            if r.task is not None:
-                r.task.cancel()
+            for t in (r.task, r.probe_task):
+                if t is not None:
+                    t.cancel()
+            if r.route is not None:  # nothing in flight outlives the fleet
+                r.route.abort("the fleet is stopping")
         await asyncio.gather(*(self._release(r) for r in self.replicas.values()), return_exceptions=True)
         for r in self.replicas.values():
             r.lc.shut_down()

@@ -81,7 +81,8 @@ def launch_spec(model: ModelSpec, cfg: FleetConfig, assignment: Assignment, host
     argv = engine_argv(model, cfg, "{host}", "{port}")
     digest = hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
     return argv, env, {"host": assignment.host, "cards": list(assignment.cards),
-                       "cpu_bind": assignment.cpu_bind, "model": model.name, "launch": digest}
+                       "cpu_bind": assignment.cpu_bind, "model": model.name, "launch": digest,
+                       "model_path": str(model.resolved_path(cfg.base_dir))}
 
 
 def prove_pages(metrics_text: str, plan: capacity.CapacityPlan, wanted: str) -> PageProof:

@@ -39,6 +39,47 @@ class Route:
     api_key: str | None = field(default=None, repr=False)
     engine: EngineLoad | None = None  # the engine's own state, from the controller's probe
     refused_until: float = 0.0  # monotonic: refused a connection; skipped until then
+    aborted: str | None = None  # why its in-flight requests were ended (unhealthy, released)
+    waiters: set = field(default_factory=set, repr=False)  # one future per request in flight
+
+    def abort(self, reason: str) -> None:
+        """End every request in flight to this replica now (a plain one that got no byte yet
+        goes to another replica; a stream ends with an error event)."""
+        if self.aborted is None:
+            self.aborted = reason
+        for fut in list(self.waiters):
+            if not fut.done():
+                fut.set_result(reason)
+
+    def watch(self) -> "asyncio.Future[str]":
+        """A future that resolves (with the reason) when this route is aborted."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.aborted is not None:
+            fut.set_result(self.aborted)
+        else:
+            self.waiters.add(fut)
+        return fut
+
+
+class UpstreamLost(aiohttp.ClientConnectionError):
+    """The replica did not answer within a bound, or was aborted (unhealthy, host lost)."""
+
+
+async def bounded(aw, timeout_s: float, gone: "asyncio.Future[str]", what: str):
+    """``aw``'s result, unless ``timeout_s`` passes first or ``gone`` resolves: UpstreamLost."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    task.cancel()
+    if gone.done():
+        raise UpstreamLost(f"aborted while waiting for {what}: {gone.result()}")
+    raise UpstreamLost(f"no {what} within {timeout_s:g} s")
 
 
 class Backend(Protocol):
@@ -91,11 +132,19 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 class EntryPoint:
-    def __init__(self, backend: Backend, api_key: str | None = None, proxy_timeout_s: float = 3600,
-                 routing: str = "pool-aware", prefix_chars: int = 1024) -> None:
+    def __init__(self, backend: Backend, api_key: str | None = None, routing: str = "pool-aware",
+                 prefix_chars: int = 1024, connect_timeout_s: float = 5.0,
+                 first_byte_timeout_s: float = 600.0, chunk_timeout_s: float = 60.0) -> None:
         self.backend = backend
         self.api_key = api_key
-        self.proxy_timeout_s = proxy_timeout_s
+        for name, value in (("connect_timeout_s", connect_timeout_s),
+                            ("first_byte_timeout_s", first_byte_timeout_s),
+                            ("chunk_timeout_s", chunk_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"EntryPoint {name} {value!r}: expected seconds > 0")
+        self.connect_timeout_s = connect_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
         self.body_timeout_s = BODY_TIMEOUT_S
         choose([], routing, 0.0)  # a bad policy name fails here, at start
         self.routing = routing
@@ -132,7 +181,10 @@ class EntryPoint:
         # completion.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True),
-            timeout=aiohttp.ClientTimeout(total=self.proxy_timeout_s, sock_connect=5), auto_decompress=False)
+            # no total: a long stream is fine while chunks keep coming (bounded() per wait)
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
+                                          sock_connect=self.connect_timeout_s),
+            auto_decompress=False)
 
     async def _close(self, _app) -> None:
         if self.session:
@@ -249,46 +301,61 @@ class EntryPoint:
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
         assert self.session is not None
-        async with self.session.post(route.url + request.path, data=body, headers=headers,
-                                     params=request.query) as upstream:
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
-            out_headers["X-R9k-Replica"] = route.name
-            if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                # a plain answer is read whole first: a replica dying mid-body raises here,
-                # before the client saw anything, and the request goes to another replica
-                data = await upstream.read()
-                out_headers.pop("Content-Length", None)
-                return web.Response(status=upstream.status, body=data, headers=out_headers)
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
-            started["response"] = response  # bytes may reach the client from here on
-            try:
-                await response.prepare(request)
-                await self._relay(upstream, response, route)
-            except ConnectionError:  # the client went away (aiohttp's reset error is one too)
-                if not getattr(response, "r9k_relayed", False):
-                    response.r9k_client_gone = True
-            return response
+        gone = route.watch()  # the replica turning unhealthy ends the wait at once
+        try:
+            upstream = await bounded(self.session.post(route.url + request.path, data=body,
+                                                       headers=headers, params=request.query),
+                                     self.first_byte_timeout_s, gone, "answer")
+            async with upstream:
+                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+                out_headers["X-R9k-Replica"] = route.name
+                if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    # a plain answer is read whole first: a replica dying mid-body raises here,
+                    # before the client saw anything, and the request goes to another replica
+                    data = await bounded(upstream.read(), self.chunk_timeout_s, gone, "the answer's body")
+                    out_headers.pop("Content-Length", None)
+                    return web.Response(status=upstream.status, body=data, headers=out_headers)
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                started["response"] = response  # bytes may reach the client from here on
+                try:
+                    await response.prepare(request)
+                    await self._relay(upstream, response, route, gone)
+                except ConnectionError:  # the client went away (aiohttp's reset error is one too)
+                    if not getattr(response, "r9k_relayed", False):
+                        response.r9k_client_gone = True
+                return response
+        finally:
+            route.waiters.discard(gone)
 
-    @staticmethod
-    async def _relay(upstream: aiohttp.ClientResponse, response: web.StreamResponse,
-                     route: Route) -> None:
+    async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                     route: Route, gone: "asyncio.Future[str]") -> None:
         """The replica's stream to the client. Reading and writing fail differently: a read
-        error is the replica dying (the stream ends with a well-formed error event, OpenAI's
-        shape, and [DONE]); a write error (ConnectionError) is the client leaving, for the
-        caller."""
+        error is the replica dying, going silent past the chunk bound or being aborted (the
+        stream ends with a well-formed error event, OpenAI's shape, and [DONE]); a write error
+        (ConnectionError) is the client leaving, for the caller. The first chunk may take as
+        long as a first byte (a queued prompt's prefill), later ones `chunk_timeout_s`."""
         chunks = upstream.content.iter_any().__aiter__()
+
+        async def next_chunk() -> bytes | None:
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        timeout_s = self.first_byte_timeout_s
         while True:
             try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
+                chunk = await bounded(next_chunk(), timeout_s, gone, "the next chunk")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 response.r9k_broken = True
                 event = {"error": {"message": f"replica {route.name} dropped the stream "
-                                              f"({type(exc).__name__})",
+                                              f"({type(exc).__name__}: {exc})",
                                    "type": "BadGateway", "code": 502}}
                 await response.write(f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
                 break
+            if chunk is None:
+                break
+            timeout_s = self.chunk_timeout_s
             await response.write(chunk)
         response.r9k_relayed = not getattr(response, "r9k_broken", False)
         await response.write_eof()

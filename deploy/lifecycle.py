@@ -104,19 +104,48 @@ class ReplicaLifecycle:
         self.drain_deadline: float | None = None
         self.ready_health: ReadyHealth | None = None
         self.proof: PageProof | None = None
+        self.place_due: float | None = None  # unplaced: place again from then (monotonic s)
 
     # -- start ------------------------------------------------------------------------------------
 
     def placing(self, host: str, cards: Sequence[str]) -> list[Action]:
         self.state, self.reason = LOADING, f"placing on {host} {','.join(cards)}"
+        self.place_due = None
         return []
 
     def placed(self, host: str, cards: Sequence[str], why: str) -> list[Action]:
         return [Note(f"placed on {host} {','.join(cards)} ({why})")]
 
-    def not_placed(self, why: str, error: str) -> list[Action]:
-        self.state, self.reason = STOPPED, f"{why}; not placed again: {error}"
-        return [Note(self.reason)]
+    def _place_later(self, now: float) -> float:
+        delay = restart_backoff_s(self.failures, self.health.restart_backoff_s,
+                                  self.health.restart_backoff_max_s)
+        self.place_due = now + delay
+        return delay
+
+    def not_placed(self, now: float, why: str, error: str) -> list[Action]:
+        """No live host has the cards now: unplaced, tried again after the backoff and at once
+        when a host (re)joins (:meth:`hosts_changed`)."""
+        self.failures += 1
+        self.state, self.reason = UNHEALTHY, f"{why}; waiting for cards: {error}"
+        delay = self._place_later(now)
+        return [Note(f"{self.reason} (next try in {delay:.0f} s or when a host joins)")]
+
+    def host_lost(self, now: float, host: str) -> list[Action]:
+        """Its host left the cluster: the controller releases what Ray still holds for it and
+        places it again on a live host, now."""
+        self.state, self.reason = UNHEALTHY, f"host {host} lost"
+        self.ready_health = None
+        self.place_due = now
+        return [Note(f"unhealthy: host {host} lost; placing again on a live host")]
+
+    def hosts_changed(self, now: float) -> None:
+        """A host joined or came back: an unplaced replica tries again now."""
+        if self.place_due is not None:
+            self.place_due = min(self.place_due, now)
+
+    def placement_due(self, now: float, stopping: bool) -> bool:
+        return (not stopping and self.state == UNHEALTHY and self.place_due is not None
+                and now >= self.place_due)
 
     def engine_started(self, now: float, start_no: int, pid: int, url: str, log_path: str) -> list[Action]:
         self.starts += 1
@@ -192,11 +221,14 @@ class ReplicaLifecycle:
         self.restarts += 1
         return [StartEngine()] if supervisor_alive else [Replace("supervisor lost")]
 
-    def step_failed(self, error: str) -> list[Action]:
-        """A lifecycle step itself raised (placement group timeout, actor start failed)."""
+    def step_failed(self, now: float, error: str) -> list[Action]:
+        """A lifecycle step itself raised (placement group timeout, actor start failed, the
+        model missing on the host): the controller released its cards; placed again after the
+        backoff, or at once when a host (re)joins."""
         self.state, self.reason = UNHEALTHY, error
         self.failures += 1
-        return [Note(f"lifecycle error: {error}")]
+        delay = self._place_later(now)
+        return [Note(f"lifecycle error: {error}; placing again in {delay:.0f} s")]
 
     # -- drain, rolling restart, shutdown ---------------------------------------------------------
 
@@ -215,7 +247,7 @@ class ReplicaLifecycle:
     def drained(self, replace: bool, stopping: bool) -> list[Action]:
         """Released: stopped, and placed elsewhere if asked (a fenced card) and not shutting down."""
         why = self.reason or "drained"
-        self.state = STOPPED
+        self.state, self.place_due = STOPPED, None
         actions: list[Action] = [Note("stopped")]
         return actions + [Replace(why)] if replace and not stopping else actions
 
@@ -229,7 +261,7 @@ class ReplicaLifecycle:
         return [StartEngine()]
 
     def shut_down(self) -> None:
-        self.state = STOPPED
+        self.state, self.place_due = STOPPED, None
 
 
 # -- fleet-wide decisions ---------------------------------------------------------------------------
@@ -256,18 +288,25 @@ class RollingRestart:
             self.halted = True
 
 
-def replicas_to_drain(bdf: str, cards: Mapping[str, Sequence[str]],
+def replicas_to_drain(card: tuple[str, str], cards: Mapping[str, Sequence[tuple[str, str]]],
                       replicas: Mapping[str, ReplicaLifecycle]) -> list[str]:
-    """A fenced card: every replica on it that still holds it (not stopped, not draining already)."""
+    """A fenced card (host, BDF): every replica on it that still holds it (not stopped, not
+    draining already)."""
     return [name for name, lc in replicas.items()
-            if bdf in cards.get(name, ()) and lc.state not in (STOPPED, DRAINING)]
+            if card in cards.get(name, ()) and lc.state not in (STOPPED, DRAINING)]
 
 
-def ops_fence_changes(ops_unhealthy: Mapping[str, str],
-                      unusable: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """From ops' card states: cards to fence (with the reason to show) and cards ops returned
-    (`r9k ops clear`) to make usable again. Cards the fleet file avoids stay avoided."""
-    fence = {bdf: FAULT_FROM_OPS + why for bdf, why in ops_unhealthy.items()}
-    unfence = [bdf for bdf, why in unusable.items()
-               if why.startswith(FAULT_FROM_OPS) and bdf not in ops_unhealthy]
+def ops_fence_changes(ops_unhealthy: Mapping[str, Mapping[str, str]],
+                      unusable: Mapping[tuple[str, str], str]
+                      ) -> tuple[dict[tuple[str, str], str], list[tuple[str, str]]]:
+    """From each host's ops card states ({host: {BDF: why}}, the hosts that reported this time):
+    cards to fence (with the reason to show) and cards ops returned there (`r9k ops clear`) to
+    make usable again. Cards of hosts that did not report keep their state; cards the fleet file
+    avoids stay avoided."""
+    fence = {(host, bdf): FAULT_FROM_OPS + why
+             for host, states in ops_unhealthy.items() for bdf, why in states.items()
+             if unusable.get((host, bdf)) != FAULT_FROM_OPS + why}
+    unfence = [key for key, why in unusable.items()
+               if why.startswith(FAULT_FROM_OPS) and key[0] in ops_unhealthy
+               and key[1] not in ops_unhealthy[key[0]]]
     return fence, unfence

@@ -8,7 +8,7 @@ so a replica never spans hosts and never lands on a card ops has fenced or the f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Mapping
 
 from r9k.deploy.config import HOST_LABEL, CardSpec, FleetConfig, FleetConfigError, HostSpec
 
@@ -35,35 +35,67 @@ class Assignment:
     cpu_bind: str | None = None             # platform cpu: VLLM_CPU_OMP_THREADS_BIND
 
 
+# A card is (host, PCI address): two hosts of the same model have the same addresses.
+CardKey = tuple[str, str]
+
+
+def card_label(key: CardKey) -> str:
+    """A card as people read it: `host/0000:03:00.0`."""
+    return f"{key[0]}/{key[1]}"
+
+
+def parse_card_label(text: str) -> CardKey | tuple[None, str]:
+    """`host/BDF` -> (host, BDF); a bare BDF -> (None, BDF) (every host, or the only one)."""
+    host, sep, bdf = text.rpartition("/")
+    return (host, bdf) if sep and host else (None, bdf)
+
+
 @dataclass
 class CardPool:
     """Which cards are usable now: inventory minus fenced/avoided, minus those in use."""
 
     hosts: list[HostSpec]
-    unusable: dict[str, str] = field(default_factory=dict)   # BDF -> why
-    in_use: dict[str, str] = field(default_factory=dict)     # BDF -> replica
+    unusable: dict[CardKey, str] = field(default_factory=dict)   # (host, BDF) -> why
+    in_use: dict[CardKey, str] = field(default_factory=dict)     # (host, BDF) -> replica
 
     def free(self, host: HostSpec) -> list[CardSpec]:
-        return [c for c in host.cards if c.bdf not in self.unusable and c.bdf not in self.in_use]
+        return [c for c in host.cards
+                if (host.name, c.bdf) not in self.unusable and (host.name, c.bdf) not in self.in_use]
 
     def usable_count(self, host: HostSpec) -> int:
-        return sum(1 for c in host.cards if c.bdf not in self.unusable)
+        return sum(1 for c in host.cards if (host.name, c.bdf) not in self.unusable)
+
+    def release(self, replica: str) -> None:
+        """The cards a replica held are free again."""
+        for key in [k for k, owner in self.in_use.items() if owner == replica]:
+            del self.in_use[key]
 
 
 def replica_slots(cfg: FleetConfig) -> list[ReplicaSlot]:
     return [ReplicaSlot(f"{m.name}-{i}", m.name, m.tp) for m in cfg.models for i in range(m.replicas)]
 
 
-def unusable_cards(cfg: FleetConfig, unhealthy: dict[str, str] | Iterable[str] = ()) -> dict[str, str]:
-    """Cards not to place on: ops-fenced (with ops' reason) and the file's avoid list."""
-    out = {b: "avoided by the fleet file" for b in cfg.placement.avoid_cards}
-    items = unhealthy.items() if isinstance(unhealthy, dict) else ((b, "unhealthy in ops state") for b in unhealthy)
-    for bdf, why in items:
-        out[bdf] = f"ops: {why}"
+def avoided_cards(cfg: FleetConfig, hosts: list[HostSpec]) -> dict[CardKey, str]:
+    """The fleet file's avoid list on these hosts: `BDF` on every host, `host/BDF` on one."""
+    out: dict[CardKey, str] = {}
+    for entry in cfg.placement.avoid_cards:
+        only, bdf = parse_card_label(entry)
+        for h in hosts:
+            if only in (None, h.name) and any(c.bdf == bdf for c in h.cards):
+                out[(h.name, bdf)] = "avoided by the fleet file"
     return out
 
 
-def check_fits(cfg: FleetConfig, hosts: list[HostSpec], unusable: dict[str, str]) -> None:
+def unusable_cards(cfg: FleetConfig, hosts: list[HostSpec],
+                   unhealthy: Mapping[CardKey, str] = {}) -> dict[CardKey, str]:
+    """Cards not to place on: the file's avoid list and ops-fenced cards (with ops' reason)."""
+    out = avoided_cards(cfg, hosts)
+    for key, why in unhealthy.items():
+        out[key] = f"ops: {why}"
+    return out
+
+
+def check_fits(cfg: FleetConfig, hosts: list[HostSpec], unusable: Mapping[CardKey, str]) -> None:
     """Refuse, before anything starts, a fleet that cannot be placed on these hosts."""
     if not hosts:
         raise PlacementError(f"no host offers the card resource {cfg.placement.card_resource!r}; "
@@ -103,12 +135,13 @@ def place_one(slot: ReplicaSlot, pool: CardPool, platform: str = "gpu") -> Assig
     if best is None:
         raise PlacementError(
             f"replica {slot.name} (TP{slot.tp}) does not fit: no host has {slot.tp} free usable "
-            f"card(s); unusable: {', '.join(sorted(pool.unusable)) or 'none'}")
+            f"card(s) on the live hosts ({', '.join(h.name for h in pool.hosts) or 'none'}); "
+            f"unusable: {', '.join(card_label(k) for k in sorted(pool.unusable)) or 'none'}")
     host = best[2]
     cards = _pick_cards(pool.free(host), slot.tp)
     assert cards is not None
     for c in cards:
-        pool.in_use[c.bdf] = slot.name
+        pool.in_use[(host.name, c.bdf)] = slot.name
     cpu_bind = ",".join(c.cpu_bind for c in cards if c.cpu_bind) if platform == "cpu" else None
     return Assignment(slot.name, slot.model, host.name, tuple(c.bdf for c in cards), cpu_bind or None)
 

@@ -20,7 +20,8 @@ from typing import Any
 from r9k.deploy.config import HOST_LABEL, CardSpec, FleetConfig, HostSpec
 from r9k.deploy.placement import Assignment, PlacementError, placement_group_args
 
-PLACEMENT_TIMEOUT_S = 120.0
+AGENT_TIMEOUT_S = 5.0      # a host agent that does not answer this fast reports nothing this tick
+RELEASE_SLACK_S = 5.0      # beyond the engine's stop grace, for a supervisor on a vanishing node
 
 
 def connect(cfg: FleetConfig) -> bool:
@@ -44,17 +45,29 @@ def connect(cfg: FleetConfig) -> bool:
     return True
 
 
-async def inventory(cfg: FleetConfig) -> list[HostSpec]:
-    """The fleet file's hosts that are Ray nodes now (by label), else discovered on the nodes."""
+def live_hosts(cfg: FleetConfig) -> dict[str, str]:
+    """{host label: node id} of the live Ray nodes that offer the card resource (one GCS call)."""
     import ray
 
     resource = cfg.placement.card_resource
-    nodes = {n["Labels"].get(HOST_LABEL): n for n in ray.nodes()
-             if n["Alive"] and n["Resources"].get(resource, 0) > 0 and n.get("Labels", {}).get(HOST_LABEL)}
+    return {n["Labels"][HOST_LABEL]: n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and n["Resources"].get(resource, 0) > 0
+            and (n.get("Labels") or {}).get(HOST_LABEL)}
+
+
+async def inventory(cfg: FleetConfig, nodes: dict[str, str] | None = None,
+                    known: dict[str, HostSpec] | None = None) -> list[HostSpec]:
+    """The fleet file's hosts that are Ray nodes now (by label), else discovered on the nodes
+    (`known`: node id -> host already discovered, asked again only for new nodes)."""
+    nodes = live_hosts(cfg) if nodes is None else nodes
     if cfg.hosts:
         return [h for h in cfg.hosts if h.name in nodes]
-    return list(await asyncio.gather(*(discover_host(name, node["NodeID"])
-                                       for name, node in sorted(nodes.items()))))
+    known = {} if known is None else known
+    new = {name: nid for name, nid in nodes.items() if nid not in known}
+    found = await asyncio.gather(*(discover_host(name, nid) for name, nid in sorted(new.items())))
+    for (name, nid), host in zip(sorted(new.items()), found):
+        known[nid] = host
+    return [known[nid] for name, nid in sorted(nodes.items())]
 
 
 def local_cards() -> list[str]:
@@ -71,6 +84,19 @@ async def discover_host(name: str, node_id: str) -> HostSpec:
     cards = await ray.remote(num_cpus=0)(local_cards).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
     return HostSpec(name=name, cards=[CardSpec(bdf=b) for b in cards])
+
+
+class HostAgent:
+    """One per live node, on that node: reads its host's ops state (the cards ops fenced there),
+    so a fence written on any host reaches the controller without a hook."""
+
+    def card_states(self, state_dir: str) -> dict[str, str]:
+        from r9k.ops.state import read_card_states
+
+        return read_card_states(state_dir).unhealthy()  # a corrupt card file counts as fenced
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def actor_name(replica: str) -> str:
@@ -116,7 +142,7 @@ class RayReplica:
     async def place(cls, replica: str, assignment: Assignment, cfg: FleetConfig, argv: list[str],
                     env: dict[str, str], log_dir: str, port: int,
                     spec: dict | None = None) -> "RayReplica":
-        """A placement group on the assigned cards (ready within PLACEMENT_TIMEOUT_S) and the
+        """A placement group on the assigned cards (ready within `placement.timeout_s`) and the
         supervisor in its first bundle, both detached and named after the replica; the engine
         is not started yet. A supervisor of the same name left behind is released first."""
         import ray
@@ -135,31 +161,50 @@ class RayReplica:
             except ValueError:
                 pass
         pg = placement_group(**placement_group_args(assignment, cfg), lifetime="detached")
+        timeout_s = cfg.placement.timeout_s
         try:
-            await asyncio.wait_for(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            await asyncio.wait_for(pg.ready(), timeout=timeout_s)
         except asyncio.TimeoutError:
             ray.util.remove_placement_group(pg)
             raise PlacementError(f"placement group for {assignment.host} {','.join(assignment.cards)} "
-                                 f"not ready after {PLACEMENT_TIMEOUT_S:.0f} s") from None
+                                 f"not ready after {timeout_s:g} s") from None
+        except BaseException:  # cancelled (its host died meanwhile): never leave it pending
+            ray.util.remove_placement_group(pg)
+            raise
         actor = ReplicaSupervisor.options(
             name=actor_name(replica), namespace=cfg.ray.namespace, lifetime="detached",
             num_cpus=0, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             runtime_env={"env_vars": env},
-        ).remote(replica, argv, log_dir, cfg.replica_bind, cfg.port_range, port, spec)
+        ).remote(replica, argv, log_dir, cfg.replica_bind, cfg.port_range, port, spec, True)
         return cls(pg, actor)
 
     async def start_engine(self) -> dict:
         """{"url", "pid", "log", "start"} of the api_server the supervisor started."""
         return await self.actor.start.remote()
 
+    async def release_lost(self) -> None:
+        """Its node is gone: end the actor and remove the group (Ray would place the group again
+        on that host's next raylet, holding its cards), without asking the dead supervisor."""
+        import ray
+
+        try:
+            ray.kill(self.actor)
+        except Exception:  # already gone
+            pass
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:
+                pass
+
     async def status(self, timeout_s: float) -> dict:
         return await asyncio.wait_for(self.actor.status.remote(), timeout=timeout_s)
 
-    async def kill_engine(self) -> bool:
-        """SIGKILL the engine; False if the supervisor (or its node) is gone."""
+    async def kill_engine(self, timeout_s: float = 40.0) -> bool:
+        """SIGKILL the engine; False if the supervisor (or its node) is gone or silent."""
         try:
-            await self.actor.kill.remote()
+            await asyncio.wait_for(self.actor.kill.remote(), timeout_s)
         except Exception:  # RayActorError and friends: the actor cannot answer any more
             return False
         return True
@@ -175,12 +220,10 @@ class RayReplica:
         import ray
 
         try:
-            await self.actor.stop.remote(grace_s)
-        except Exception:  # the actor (or its node) is gone already
+            await asyncio.wait_for(self.actor.stop.remote(grace_s), grace_s + RELEASE_SLACK_S)
+        except Exception:  # the actor (or its node) is gone already, or does not answer
             pass
-        ray.kill(self.actor)
-        if self.pg is not None:
-            ray.util.remove_placement_group(self.pg)
+        await self.release_lost()
 
 
 class RaySide:
@@ -190,8 +233,41 @@ class RaySide:
     def connect(self, cfg: FleetConfig) -> bool:
         return connect(cfg)
 
-    async def inventory(self, cfg: FleetConfig) -> list[HostSpec]:
-        return await inventory(cfg)
+    def __init__(self) -> None:
+        self.discovered: dict[str, HostSpec] = {}    # node id -> its cards (discovered inventory)
+        self.agents: dict[str, Any] = {}             # node id -> HostAgent actor
+
+    def live_hosts(self, cfg: FleetConfig) -> dict[str, str]:
+        return live_hosts(cfg)
+
+    async def inventory(self, cfg: FleetConfig, nodes: dict[str, str] | None = None) -> list[HostSpec]:
+        return await inventory(cfg, nodes, self.discovered)
+
+    async def host_fences(self, cfg: FleetConfig, nodes: dict[str, str]) -> dict[str, dict[str, str]]:
+        """{host: {BDF: why}} of the cards ops fenced on each live host, read there by its agent;
+        a host whose agent does not answer in time is left out (its fences stay as they were)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for nid in [n for n in self.agents if n not in nodes.values()]:
+            del self.agents[nid]   # its node is gone, and the agent with it
+        for nid in nodes.values():
+            if nid not in self.agents:
+                self.agents[nid] = ray.remote(num_cpus=0, max_restarts=0)(HostAgent).options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
+
+        async def ask(host: str, nid: str):
+            try:
+                return host, await asyncio.wait_for(
+                    self.agents[nid].card_states.remote(cfg.host_state_dir(host)), AGENT_TIMEOUT_S)
+            except asyncio.TimeoutError:  # starting, or busy: asked again next tick
+                return host, None
+            except Exception:  # a dead agent: a new one next tick
+                self.agents.pop(nid, None)
+                return host, None
+
+        answers = await asyncio.gather(*(ask(h, n) for h, n in nodes.items()))
+        return {h: states for h, states in answers if states is not None}
 
     def fleet_replicas(self, cfg: FleetConfig) -> list[str]:
         return fleet_actor_replicas(cfg)

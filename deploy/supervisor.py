@@ -7,7 +7,11 @@ port, starts, reports and stops, through the shared launcher (:mod:`r9k.deploy.s
 """
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -34,12 +38,25 @@ def fill_address(argv_template: list[str], host: str, port: int) -> list[str]:
     return [a.replace("{host}", host).replace("{port}", str(port)) for a in argv_template]
 
 
+RAYLET_WATCH_S = 0.5
+
+
+def guarded(argv: list[str]) -> list[str]:
+    """The engine under `r9k.deploy.child --guard`: its whole process group dies with this
+    supervisor, whatever kills it."""
+    return [sys.executable, "-m", "r9k.deploy.child", "--guard", str(os.getpid()), *argv]
+
+
 class ReplicaProcess:
-    """Plain class (testable without Ray); :data:`ReplicaSupervisor` is its Ray actor form."""
+    """Plain class (testable without Ray); :data:`ReplicaSupervisor` is its Ray actor form.
+
+    ``watch_parent``: the actor's parent is its node's raylet. Ray leaves a worker running when
+    its raylet dies (minutes, measured), and the engine with it, keeping the cards' memory: the
+    watchdog kills the engine and ends the supervisor as soon as the raylet is gone."""
 
     def __init__(self, replica: str, argv: list[str], log_dir: str, bind: str,
                  port_range: tuple[int, int], preferred_port: int | None = None,
-                 spec: dict | None = None) -> None:
+                 spec: dict | None = None, watch_parent: bool = False) -> None:
         self.replica = replica
         self.spec = spec or {}       # what the controller placed: host, cards, launch key
         self.last_start: dict | None = None
@@ -50,10 +67,24 @@ class ReplicaProcess:
         self.preferred_port = preferred_port
         self.server: ServerProcess | None = None
         self.starts = 0
+        if watch_parent:
+            parent = os.getppid()
+            threading.Thread(target=self._watch_parent, args=(parent,), daemon=True,
+                             name="raylet-watchdog").start()
+
+    def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(RAYLET_WATCH_S)
+        self.kill()
+        os._exit(1)
 
     def start(self) -> dict:
         self.kill()
         host = ray.util.get_node_ip_address() if self.bind == "node-ip" else self.bind
+        model = self.spec.get("model_path")
+        if model and not (Path(model) / "config.json").is_file():  # the file is read on every host
+            raise RuntimeError(f"model path {model} has no config.json on host "
+                               f"{self.spec.get('host')}; expected the model directory there")
         lo, hi = self.port_range
         # other replicas' own ports are never a fallback: two replicas starting at once would
         # both find the port free and race for it
@@ -66,7 +97,7 @@ class ReplicaProcess:
         self.starts += 1
         log_path = self.log_dir / f"{self.replica}.{self.starts}.log"
         # env None: the actor's own environment, which carries runtime_env.env_vars
-        self.server = ServerProcess.start(fill_address(self.argv_template, host, port), log_path)
+        self.server = ServerProcess.start(guarded(fill_address(self.argv_template, host, port)), log_path)
         self.last_start = {"url": host_url(host, port), "pid": self.server.pid,
                            "log": str(log_path), "start": self.starts}
         return self.last_start

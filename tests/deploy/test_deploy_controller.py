@@ -45,6 +45,9 @@ class FakeRay:
     async def release(self, grace_s: float) -> None:
         self.calls.append("release")
 
+    async def release_lost(self) -> None:
+        self.calls.append("release_lost")
+
     async def describe(self, timeout_s: float) -> dict:
         """What a supervisor left by an earlier controller reports (set by the test)."""
         return self.desc
@@ -62,8 +65,16 @@ class FakeRaySide:
     def connect(self, cfg) -> bool:
         return False
 
-    async def inventory(self, cfg):
-        return cfg.hosts
+    def live_hosts(self, cfg) -> dict[str, str]:
+        return {h.name: f"node-{h.name}" for h in cfg.hosts}
+
+    async def inventory(self, cfg, nodes=None):
+        return [h for h in cfg.hosts if nodes is None or h.name in nodes]
+
+    async def host_fences(self, cfg, nodes) -> dict[str, dict[str, str]]:
+        from r9k.ops.state import read_card_states
+
+        return {h: read_card_states(cfg.host_state_dir(h)).unhealthy() for h in nodes}
 
     def fleet_replicas(self, cfg) -> list[str]:
         return sorted(self.left)
@@ -250,14 +261,15 @@ def test_fenced_card_drains_and_places_the_replica_on_another_card(fleet):
         await c._launch(r)
         c.probe.text = metrics_text(c.plan_.onepage, "onepage")
         await c._probe(r)
-        assert c.fence(CARDS[0], "ops: mes_timeout") == ["tiny-0"]
+        assert c.fence(("h1", CARDS[0]), "ops: mes_timeout") == ["tiny-0"]
         assert r.lc.state == DRAINING or r.task is not None
         await settle(r)
 
     run(scenario())
     assert c.placed[-1] == ("tiny-0", (CARDS[1],), "1")
-    assert c.pool.unusable == {CARDS[0]: "ops: mes_timeout"} and c.pool.in_use == {CARDS[1]: "tiny-0"}
-    assert r.lc.state == LOADING and any(f"draining: card {CARDS[0]} fenced" in h for h in r.history)
+    assert c.pool.unusable == {("h1", CARDS[0]): "ops: mes_timeout"}
+    assert c.pool.in_use == {("h1", CARDS[1]): "tiny-0"}
+    assert r.lc.state == LOADING and any(f"draining: card h1/{CARDS[0]} fenced" in h for h in r.history)
     card = next(x for x in c.status().cards if x.bdf == CARDS[0])
     assert card.model_dump() == {"bdf": CARDS[0], "host": "h1", "replica": None, "usable": False,
                                  "reason": "ops: mes_timeout"}
@@ -338,7 +350,7 @@ def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_res
     for what, ray in cases.items():
         rays = {"tiny-0": ray, "gone-0": left([])}
         c.ray_side.left = rays
-        c.pool.unusable = {CARDS[0]: "mes timeout"} if what == "fenced card" else {}
+        c.pool.unusable = {("h1", CARDS[0]): "mes timeout"} if what == "fenced card" else {}
         adopted = run(adoptable(c.cfg, c.ray_side, c.hosts, c.pool, replica_slots(c.cfg),
                                 c.api_key))
         assert rays["gone-0"].calls == ["release"], what

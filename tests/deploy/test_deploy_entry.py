@@ -143,7 +143,11 @@ def test_drain_cli_by_card_from_ops_hook_env_and_by_name(env, monkeypatch):
     res = runner.invoke(main, ["fleet", "drain", "--url", env.url],
                         env={"R9K_BDF": "0000:03:00.0", "R9K_EVENT": "mes_timeout"})
     assert res.exit_code == 0, res.output
-    assert env.table.calls[-1] == ("drain", {"card": "0000:03:00.0", "reason": "ops event mes_timeout"})
+    assert env.table.calls[-1] == ("drain", {"card": "0000:03:00.0", "host": None, "event": "mes_timeout"})
+    res = runner.invoke(main, ["fleet", "drain", "--url", env.url],
+                        env={"R9K_BDF": "0000:03:00.0", "R9K_FLEET_HOST": "hB", "R9K_EVENT": ""})
+    assert res.exit_code == 0, res.output
+    assert env.table.calls[-1] == ("drain", {"card": "0000:03:00.0", "host": "hB"})
     res = runner.invoke(main, ["fleet", "drain", "m-1", "--url", env.url], env={"R9K_BDF": ""})
     assert res.exit_code == 0 and env.table.calls[-1] == ("drain", {"replica": "m-1"})
     res = runner.invoke(main, ["fleet", "drain", "--card", "3:00.0", "--url", env.url])

@@ -236,17 +236,38 @@ def test_drain_waiting_before_begin_drain_is_an_error():
         ready().drain_waiting(0.0, 1)
 
 
-def test_not_placed_again_is_stopped_with_both_reasons():
+def test_not_placed_waits_unhealthy_with_both_reasons_and_retries_after_backoff_or_a_join():
     lc = ready()
-    lc.not_placed("supervisor lost", "replica tiny-0 (TP1) does not fit")
-    assert (lc.state, lc.reason) == (STOPPED, "supervisor lost; not placed again: replica tiny-0 (TP1) does not fit")
+    lc.not_placed(100.0, "supervisor lost", "replica tiny-0 (TP1) does not fit")
+    assert (lc.state, lc.reason) == (UNHEALTHY, "supervisor lost; waiting for cards: replica tiny-0 (TP1) does not fit")
+    assert lc.placement_due(100.0, stopping=False)   # first failure: no backoff
+    lc.not_placed(100.0, "supervisor lost", "still no cards")
+    b = HEALTH.restart_backoff_s
+    assert not lc.placement_due(100.0 + b - 0.01, stopping=False)
+    assert lc.placement_due(100.0 + b, stopping=False)
+    assert not lc.placement_due(100.0 + b, stopping=True)
+    lc.hosts_changed(100.5)   # a host joined: due at once
+    assert lc.placement_due(100.5, stopping=False)
+    lc.placing("h2", ["0000:c2:00.0"])
+    assert lc.place_due is None and not lc.placement_due(1e9, stopping=False)
 
 
-def test_step_failure_is_unhealthy_and_counted():
+def test_step_failure_is_unhealthy_counted_and_placed_again_after_the_backoff():
     lc = started()
-    assert notes(lc.step_failed("PlacementError: not ready after 120 s")) == [
-        "lifecycle error: PlacementError: not ready after 120 s"]
-    assert (lc.state, lc.failures) == (UNHEALTHY, 1)
+    lc.failures = 2
+    b = HEALTH.restart_backoff_s
+    assert notes(lc.step_failed(50.0, "PlacementError: not ready after 120 s")) == [
+        f"lifecycle error: PlacementError: not ready after 120 s; placing again in {2 * b:.0f} s"]
+    assert (lc.state, lc.failures) == (UNHEALTHY, 3)
+    assert not lc.placement_due(50.0 + 2 * b - 0.01, False) and lc.placement_due(50.0 + 2 * b, False)
+
+
+def test_host_lost_is_unhealthy_and_due_for_placement_at_once():
+    lc = ready()
+    assert notes(lc.host_lost(7.0, "hB")) == ["unhealthy: host hB lost; placing again on a live host"]
+    assert (lc.state, lc.reason) == (UNHEALTHY, "host hB lost") and lc.placement_due(7.0, False)
+    lc.shut_down()
+    assert not lc.placement_due(7.0, False)
 
 
 def test_bad_max_page_failures_is_refused():
@@ -287,8 +308,13 @@ def test_fence_drains_replicas_on_the_card_that_still_hold_it():
 
 
 def test_ops_fence_changes_fence_unhealthy_and_return_cleared_cards_only():
-    unusable = {"0000:c1:00.0": "ops: mes_timeout", "0000:c2:00.0": "avoided by the fleet file",
-                "0000:c3:00.0": "ops: reset"}
-    fence, unfence = ops_fence_changes({"0000:c1:00.0": "mes_timeout", "0000:c4:00.0": "hang"}, unusable)
-    assert fence == {"0000:c1:00.0": "ops: mes_timeout", "0000:c4:00.0": "ops: hang"}
-    assert unfence == ["0000:c3:00.0"]   # cleared by `r9k ops clear`; the avoided card stays avoided
+    unusable = {("a", "0000:c1:00.0"): "ops: mes_timeout", ("a", "0000:c2:00.0"): "avoided by the fleet file",
+                ("a", "0000:c3:00.0"): "ops: reset", ("b", "0000:c3:00.0"): "ops: reset",
+                ("c", "0000:c1:00.0"): "ops: hang"}
+    # host a and b report; c's agent did not answer this time
+    fence, unfence = ops_fence_changes({"a": {"0000:c1:00.0": "mes_timeout", "0000:c4:00.0": "hang"},
+                                        "b": {"0000:c3:00.0": "reset"}}, unusable)
+    assert fence == {("a", "0000:c4:00.0"): "ops: hang"}   # a's c1 is fenced already, as it was
+    # cleared by `r9k ops clear` on a; the same address on b stays fenced, the avoided card
+    # avoided, and c's fence stays while c does not report
+    assert unfence == [("a", "0000:c3:00.0")]

@@ -21,6 +21,8 @@ def fleet(models, hosts=None, **over):
     doc = {"hosts": hosts if hosts is not None else [
         {"name": "a", "cards": bdfs(0x10, 4)}, {"name": "b", "cards": bdfs(0x20, 4)}],
         "models": models}
+    if len(doc["hosts"]) > 1:
+        doc["replica_bind"] = "node-ip"   # loopback replicas of several hosts are refused
     doc.update(over)
     return parse_fleet(json.dumps(doc))
 
@@ -67,13 +69,14 @@ def test_largest_tp_first_and_spread_keeps_tp4_on_a_whole_host():
 
 def test_avoided_and_fenced_cards_are_never_used():
     cfg = fleet([model("m", 1, 6)], placement={"avoid_cards": ["0000:10:00.0"]})
-    unusable = unusable_cards(cfg, {"0000:20:03.0": "mes_timeout: MES failed"})
-    assert unusable == {"0000:10:00.0": "avoided by the fleet file", "0000:20:03.0": "ops: mes_timeout: MES failed"}
+    unusable = unusable_cards(cfg, cfg.hosts, {("b", "0000:20:03.0"): "mes_timeout: MES failed"})
+    assert unusable == {("a", "0000:10:00.0"): "avoided by the fleet file",
+                        ("b", "0000:20:03.0"): "ops: mes_timeout: MES failed"}
     pool = CardPool(cfg.hosts, unusable)
     plan = plan_placement(replica_slots(cfg), pool)
-    used = {b for a in plan.values() for b in a.cards}
+    used = {(a.host, b) for a in plan.values() for b in a.cards}
     assert not used & set(unusable) and len(used) == 6
-    with pytest.raises(PlacementError, match="does not fit: no host has 1 free usable"):
+    with pytest.raises(PlacementError, match="does not fit: no host has 1 free usable card.s. on the live hosts .a, b."):
         place_one(ReplicaSlot("m-6", "m", 1), pool)
 
 
@@ -83,7 +86,7 @@ def test_more_cards_than_exist_is_refused():
         check_fits(cfg, cfg.hosts, {})
     cfg = fleet([model("m", 1, 8)])
     with pytest.raises(PlacementError, match="but 7 of the 8 cards on 2 host"):
-        check_fits(cfg, cfg.hosts, {"0000:10:00.0": "ops"})
+        check_fits(cfg, cfg.hosts, {("a", "0000:10:00.0"): "ops"})
 
 
 def test_tp_that_does_not_fit_a_host_is_refused():
@@ -112,3 +115,48 @@ def test_hip_devices_and_env_carry_plugin_and_rccl_settings():
     assert env["HIP_VISIBLE_DEVICES"] == "2,3" and env["VLLM_PLUGINS"] == "r9k"
     # vLLM's Ray executor copies only VLLM_/NCCL_/HF_ prefixes: the rest must be listed
     assert set(env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")) == {"R9K_GDN_STATE", "R9K_EXTRA", "HIP_VISIBLE_DEVICES"}
+
+
+def identical_hosts(n_hosts: int = 2, cards: int = 4) -> list[dict]:
+    """Identical servers: the same PCI addresses on every host."""
+    return [{"name": f"h{i}", "cards": bdfs(0x03, cards)} for i in range(n_hosts)]
+
+
+def test_identical_servers_place_every_card_once_keyed_by_host_and_address():
+    """Two identical 4-card servers: 4 x TP2 uses all 8 cards, 2 x TP2 spreads over both hosts."""
+    cfg = fleet([model("m", 2, 4)], hosts=identical_hosts())
+    check_fits(cfg, cfg.hosts, {})
+    plan = plan_placement(replica_slots(cfg), CardPool(cfg.hosts))
+    used = [(a.host, b) for a in plan.values() for b in a.cards]
+    assert len(used) == len(set(used)) == 8
+    cfg = fleet([model("m", 2, 2)], hosts=identical_hosts())
+    plan = plan_placement(replica_slots(cfg), CardPool(cfg.hosts))
+    assert sorted(a.host for a in plan.values()) == ["h0", "h1"]
+
+
+def test_a_fence_on_one_host_leaves_the_same_address_on_the_other_usable():
+    cfg = fleet([model("m", 1, 7)], hosts=identical_hosts())
+    bad = ("h1", bdfs(0x03, 4)[0])
+    pool = CardPool(cfg.hosts, unusable_cards(cfg, cfg.hosts, {bad: "mes_timeout"}))
+    plan = plan_placement(replica_slots(cfg), pool)
+    used = {(a.host, b) for a in plan.values() for b in a.cards}
+    assert bad not in used and ("h0", bad[1]) in used and len(used) == 7
+
+
+def test_avoid_cards_by_address_on_every_host_or_by_host_slash_address():
+    cfg = fleet([model("m", 1, 1)], hosts=identical_hosts(),
+                placement={"avoid_cards": ["0000:03:01.0", "h1/0000:03:02.0"]})
+    assert set(unusable_cards(cfg, cfg.hosts)) == {("h0", "0000:03:01.0"), ("h1", "0000:03:01.0"),
+                                                   ("h1", "0000:03:02.0")}
+
+
+def test_loopback_replicas_with_several_hosts_are_refused():
+    from r9k.deploy.config import FleetConfigError
+
+    doc = {"hosts": identical_hosts(), "models": [model("m", 1, 1)], "replica_bind": "127.0.0.1"}
+    with pytest.raises(FleetConfigError, match="replica_bind 127.0.0.1 with 2 hosts.*expected replica_bind: node-ip"):
+        parse_fleet(json.dumps(doc))
+    doc["placement"] = {"avoid_cards": ["h9/0000:03:00.0"]}
+    doc["replica_bind"] = "node-ip"
+    with pytest.raises(FleetConfigError, match="avoid_cards: 'h9/0000:03:00.0' names host 'h9'"):
+        parse_fleet(json.dumps(doc))
