@@ -477,8 +477,11 @@ class FleetController(Backend):
             self._note(r, r.lc.observe(now, Observation(alive=False, returncode=st["returncode"])))
             return
         heartbeat = await self.probe.heartbeat(r.route.url, min(5.0, self.cfg.health.heartbeat_timeout_s))
+        now = time.monotonic()  # when it was seen: a silent replica's probe took its timeout
         loading = r.lc.state == LOADING
-        text = await self.probe.metrics_text(r.route.url) if heartbeat or not loading else None
+        # a replica that did not answer /health is judged by the heartbeat layer alone: its
+        # /metrics would cost another timeout before the verdict
+        text = await self.probe.metrics_text(r.route.url) if heartbeat else None
         # an unreadable /metrics while loading fails the proof (no cache_config_info), as before
         proof = (prove_pages(text or "", self.plans[r.model.name], r.model.gdn_state)
                  if loading and heartbeat else None)

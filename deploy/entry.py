@@ -257,9 +257,10 @@ class EntryPoint:
         if model not in names:
             return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
         tried: dict[str, str] = {}
+        delivered = 0  # attempts that may have reached an engine (a refused connection did not)
         while True:
             route = None
-            if len(tried) < MAX_TRIES:
+            if delivered < MAX_TRIES:
                 now = time.monotonic()
                 ready = [r for r in self.backend.routes(model) if r.name not in tried]
                 # a replica that just refused a connection (dead before the probe saw it) is
@@ -291,7 +292,11 @@ class EntryPoint:
                 # have no side effects, so the next replica may take it.
                 tried[route.name] = type(exc).__name__
                 if isinstance(exc, aiohttp.ClientConnectorError):
+                    # nothing was sent: any other ready replica may take it (a lost host's
+                    # replicas all refuse before the controller sees the host gone)
                     route.refused_until = time.monotonic() + REFUSED_SKIP_S
+                else:
+                    delivered += 1
             finally:
                 route.outstanding -= 1
 
@@ -364,7 +369,9 @@ class EntryPoint:
 # served: answered (2xx); rejected: 4xx, by the entry point or the replica; errored: 5xx;
 # broken: a stream its replica dropped mid-answer; cancelled: the client left mid-stream
 OUTCOMES = ("served", "rejected", "errored", "broken", "cancelled")
-MAX_TRIES = 2  # a request a replica dropped before answering goes to one other replica
+# a request a replica dropped before answering goes to one other replica; connections refused
+# (nothing sent) do not count, so it is tried on every ready replica before a 502
+MAX_TRIES = 2
 REFUSED_SKIP_S = 5.0  # a replica that refused a connection gets no requests this long
 
 
