@@ -264,35 +264,133 @@ def down(url: str | None, run_dir: str | None) -> None:
     click.echo("fleet stopping")
 
 
-def ray_head_argv(cfg, ray_bin: str) -> list[str]:
-    """`ray start --head --block` advertising the fleet file's one host: its cards as the card
-    resource, its name as the host label (what `ray.address: local` would set up in-process)."""
+def this_host(cfg, host: str | None, command: str):
+    """The fleet file's host this machine is: the only one, or the one `--host` names."""
+    if not cfg.hosts:
+        raise BadInput(f"fleet {command} needs the file's hosts inventory (hosts: ...) to "
+                       "advertise this host's cards")
+    if host is None:
+        if len(cfg.hosts) != 1:
+            raise BadInput(f"the fleet file lists {len(cfg.hosts)} hosts "
+                           f"({', '.join(h.name for h in cfg.hosts)}); expected --host NAME: "
+                           "which one this machine is")
+        return cfg.hosts[0]
+    for h in cfg.hosts:
+        if h.name == host:
+            return h
+    raise BadInput(f"--host {host!r} is not in the fleet file's hosts; expected one of "
+                   f"{', '.join(h.name for h in cfg.hosts)}")
+
+
+def ray_node_argv(cfg, ray_bin: str, host: str | None = None, head: str | None = None) -> list[str]:
+    """`ray start --block` advertising one host of the fleet file: its cards as the card
+    resource, its name as the host label (what `ray.address: local` would set up in-process);
+    `--head`, or a worker joining `head` (HOST:PORT of the head's GCS)."""
     from r9k.deploy.config import HOST_LABEL
 
-    if len(cfg.hosts) != 1:
-        raise BadInput(f"fleet ray-head serves a fleet file listing exactly one host; it lists "
-                       f"{len(cfg.hosts)} (start Ray on each host yourself: deploy/README.md)")
-    host = cfg.hosts[0]
-    argv = [ray_bin, "start", "--head", "--block", "--include-dashboard=false",
-            "--resources", json.dumps({cfg.placement.card_resource: len(host.cards)}),
-            "--labels", f"{HOST_LABEL}={host.name}"]
+    spec = this_host(cfg, host, "ray-worker" if head else "ray-head")
+    argv = [ray_bin, "start"] + (["--address", head] if head else ["--head"]) + [
+        "--block", "--include-dashboard=false",
+        "--resources", json.dumps({cfg.placement.card_resource: len(spec.cards)}),
+        "--labels", f"{HOST_LABEL}={spec.name}"]
     if cfg.ray.num_cpus is not None:
         argv += ["--num-cpus", str(cfg.ray.num_cpus)]
     return argv
 
 
+def ray_head_argv(cfg, ray_bin: str, host: str | None = None) -> list[str]:
+    return ray_node_argv(cfg, ray_bin, host)
+
+
+def _head_address(head: str) -> str:
+    hostpart, sep, port = head.rpartition(":")
+    if not (sep and hostpart and port.isdigit() and 1 <= int(port) <= 65535):
+        raise BadInput(f"--head {head!r}: expected the Ray head's HOST:PORT, e.g. 10.0.0.1:6379")
+    return head
+
+
 @fleet.command("ray-head")
 @click.option("--config", "config", required=True, help="fleet file (YAML)")
+@click.option("--host", default=None, help="which of the file's hosts this is (several hosts)")
 @click.option("--dry-run", is_flag=True, help="print the ray command instead of running it")
-def ray_head(config: str, dry_run: bool) -> None:
+def ray_head(config: str, host: str | None, dry_run: bool) -> None:
     """Run this host's Ray head for the fleet (in the foreground; systemd: r9k-ray-head.service)."""
     cfg = _load(config)
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    argv = ray_head_argv(cfg, ray_bin)
+    argv = ray_node_argv(cfg, str(Path(sys.executable).parent / "ray"), host)
     if dry_run:
         click.echo(" ".join(argv))
         return
     os.execv(argv[0], argv)
+
+
+@fleet.command("ray-worker")
+@click.option("--config", "config", required=True, help="fleet file (YAML)")
+@click.option("--host", required=True, help="which of the file's hosts this is")
+@click.option("--head", required=True, help="the Ray head's HOST:PORT (its GCS, port 6379 by default)")
+@click.option("--dry-run", is_flag=True, help="print the ray command instead of running it")
+def ray_worker(config: str, host: str, head: str, dry_run: bool) -> None:
+    """Run this host's Ray node, joining the head (foreground; systemd: r9k-ray-worker.service)."""
+    cfg = _load(config)
+    argv = ray_node_argv(cfg, str(Path(sys.executable).parent / "ray"), host, _head_address(head))
+    if dry_run:
+        click.echo(" ".join(argv))
+        return
+    os.execv(argv[0], argv)
+
+
+@fleet.command("entry")
+@click.option("--config", "config", required=True, help="fleet file (YAML): entry settings and key")
+@click.option("--controller", "controller_url", required=True,
+              help="the controller's entry point, e.g. http://HEAD:8000")
+@click.option("--listen", default=None, help="address to serve on [default: entry.host]")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="[default: entry.port]")
+def entry_cmd(config: str, controller_url: str, listen: str | None, port: int | None) -> None:
+    """Serve the fleet's OpenAI endpoint on this host, routing from the controller's state
+    (any host may run one; the last state is served `entry.state_stale_s` while the
+    controller is away)."""
+    from r9k.deploy.config import FleetConfigError
+    from r9k.deploy.entry import EntryPoint, serve
+    from r9k.deploy.remote_entry import RemoteBackend
+    from r9k.http_client import is_loopback
+
+    cfg = _load(config)
+    if not controller_url.startswith(("http://", "https://")):
+        raise BadInput(f"--controller {controller_url!r}: expected an http(s)://HOST:PORT URL")
+    try:
+        key = cfg.api_key()
+    except FleetConfigError as exc:
+        raise BadInput(f"{config}: {exc}") from None
+    host = listen or cfg.entry.host
+    if key is None and not is_loopback(host) and not cfg.entry.allow_unauthenticated:
+        raise BadInput(f"--listen {host} serves beyond loopback without entry.api_key_env; "
+                       "expected api_key_env (or entry.allow_unauthenticated: true)")
+    port = port or cfg.entry.port
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    async def main() -> None:
+        backend = RemoteBackend(controller_url, key, cfg.entry.state_stale_s)
+        entry = EntryPoint(backend, api_key=key, routing=cfg.entry.routing,
+                           prefix_chars=cfg.entry.prefix_chars,
+                           connect_timeout_s=cfg.entry.connect_timeout_s,
+                           first_byte_timeout_s=cfg.entry.first_byte_timeout_s,
+                           chunk_timeout_s=cfg.entry.chunk_timeout_s)
+        await backend.start()
+        if backend.last is None:
+            click.echo(f"warning: the controller at {controller_url} does not answer yet "
+                       f"({backend.last_error}); serving 503 until it does", err=True)
+        runner = await serve(entry, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        click.echo(f"entry point http://{host}:{port} routing from {controller_url}")
+        await stop.wait()
+        await backend.stop()
+        await runner.cleanup()
+
+    asyncio.run(main())
 
 
 @fleet.command("install-units")
@@ -302,11 +400,18 @@ def ray_head(config: str, dry_run: bool) -> None:
 @click.option("--r9k-bin", default=None, help="absolute path of the r9k executable (default: this one)")
 @click.option("--env-file", default="/etc/r9k/fleet.env", show_default=True,
               help="systemd EnvironmentFile with the API key (entry.api_key_env): root-owned, 0600")
+@click.option("--host", default=None, help="which of the file's hosts this is (several hosts)")
+@click.option("--head", default=None, help="a worker host: the Ray head's HOST:PORT to join")
+@click.option("--controller", default=None, help="a worker host: the controller's entry point URL")
 @run_dir_option
 def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str,
+                      host: str | None, head: str | None, controller: str | None,
                       run_dir: str | None) -> None:
-    """Write r9k-ray-head.service and r9k-fleet.service: Ray as its own service, the controller
-    restarted by systemd when it dies, re-adopting the running replicas."""
+    """Write the fleet's systemd units for this host. The head host (one host, or --host NAME):
+    r9k-ray-head.service and r9k-fleet.service (Ray as its own service, the controller restarted
+    by systemd when it dies, re-adopting the running replicas). A worker host (--host NAME
+    --head HOST:PORT --controller URL): r9k-ray-worker.service and r9k-fleet-entry.service
+    (this host's entry point)."""
     from r9k.deploy.controller import default_run_dir
     from r9k.ops.units import UnitValueError, default_r9k_bin, env_file_problem, install_fleet_units
 
@@ -314,7 +419,14 @@ def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str
     if cfg.ray.address == "local":
         raise BadInput(f"{config}: ray.address is local (Ray inside the controller, gone with "
                        "it); the units run Ray as its own service: set ray.address: auto")
-    ray_head_argv(cfg, "ray")  # one host, or a clear error before anything is written
+    if controller is not None and not controller.startswith(("http://", "https://")):
+        raise BadInput(f"--controller {controller!r}: expected an http(s)://HOST:PORT URL")
+    if head is not None:
+        _head_address(head)
+        if controller is None:
+            raise BadInput("--head (a worker host) needs --controller URL: the controller's entry "
+                           "point, which this host's entry point routes from")
+    ray_node_argv(cfg, "ray", host, head)  # a host of the file, or a clear error before writing
     r9k_bin = r9k_bin or default_r9k_bin()
     if not os.path.isabs(r9k_bin) or not os.access(r9k_bin, os.X_OK):
         raise BadInput(f"--r9k-bin {r9k_bin}: expected the absolute path of an executable r9k")
@@ -326,10 +438,11 @@ def install_units_cmd(config: str, dest: str, r9k_bin: str | None, env_file: str
             raise BadInput(f"--env-file {problem}; entry.api_key_env is {key_env}, so the "
                            "controller's unit needs the key from there")
     try:
-        written = install_fleet_units(dest, r9k_bin, config, str(run), env_file if key_env else None)
+        written = install_fleet_units(dest, r9k_bin, config, str(run), env_file if key_env else None,
+                                      host=host, head=head, controller=controller)
     except UnitValueError as exc:  # every unit is rendered before the first is written
         raise BadInput(str(exc)) from None
     for path in written:
         click.echo(f"wrote {path}")
-    click.echo("next: systemctl daemon-reload && systemctl enable --now r9k-ray-head.service "
-               "r9k-fleet.service")
+    click.echo("next: systemctl daemon-reload && systemctl enable --now "
+               + " ".join(p.name for p in written))

@@ -13,6 +13,8 @@ from urllib.parse import quote
 UNIT_DIR = Path(__file__).parent / "systemd"
 UNIT_NAMES = ("r9k-ops-apply.service", "r9k-ops-reconcile.service", "r9k-ops-watch.service")
 FLEET_UNIT_NAMES = ("r9k-ray-head.service", "r9k-fleet.service")
+# a host that joins the head's cluster: its Ray node and its own entry point
+FLEET_WORKER_UNIT_NAMES = ("r9k-ray-worker.service", "r9k-fleet-entry.service")
 
 
 def default_r9k_bin() -> str:
@@ -121,11 +123,18 @@ def install_units(dest: str | os.PathLike, r9k_bin: str, config_path: str, state
 
 
 def install_fleet_units(dest: str | os.PathLike, r9k_bin: str, config_path: str,
-                        run_dir: str, env_file: str | None = None) -> list[Path]:
-    """The Ray head and the fleet controller. `ray` is the one beside `r9k` (same venv)."""
+                        run_dir: str, env_file: str | None = None, host: str | None = None,
+                        head: str | None = None, controller: str | None = None) -> list[Path]:
+    """The head host's Ray head and fleet controller; with ``head`` (HOST:PORT), a worker
+    host's Ray node and entry point (routing from ``controller``). ``host`` names which of the
+    fleet file's hosts this is (several hosts). `ray` is the one beside `r9k` (same venv)."""
     ray_bin = str(Path(r9k_bin).parent / "ray")
     values = {"@R9K_BIN@": exec_arg(r9k_bin, "--r9k-bin", program=True), "@RAY_BIN@": exec_arg(ray_bin, "ray", program=True),
               "@CONFIG@": exec_arg(os.path.abspath(config_path), "--config"),
               "@RUN_DIR@": exec_arg(os.path.abspath(run_dir), "run dir"),
+              "@HOST_ARGS@": f"--host {exec_arg(host, '--host')}" if host else "",
+              "@HEAD@": exec_arg(head or "", "--head"),
+              "@CONTROLLER@": exec_arg(controller or "", "--controller"),
               "@ENV_LINE@": env_line(env_file, "entry.api_key_env is not set")}
-    return _write(dest, {name: _render(name, values) for name in FLEET_UNIT_NAMES})
+    names = FLEET_WORKER_UNIT_NAMES if head else FLEET_UNIT_NAMES
+    return _write(dest, {name: _render(name, values) for name in names})

@@ -120,6 +120,7 @@ def _fleet_file(tmp_path, address: str, hosts: int = 1):
     path = tmp_path / "fleet.yaml"
     path.write_text(json.dumps({
         "platform": "cpu", "ray": {"address": address, "num_cpus": 4},
+        "replica_bind": "node-ip" if hosts > 1 else "127.0.0.1",
         "ops_state_dir": str(tmp_path / "ops"),
         "hosts": [{"name": f"box{i}", "cards": [{"bdf": f"0000:c{i}:00.0", "cpu_bind": "0"},
                                                  {"bdf": f"0000:c{i}:00.1", "cpu_bind": "1"}]}
@@ -164,7 +165,7 @@ def test_install_units_writes_the_ray_head_and_a_self_restarting_controller(tmp_
 
 @pytest.mark.parametrize("address, hosts, error", [
     ("local", 1, "ray.address is local"),
-    ("auto", 2, "exactly one host; it lists 2"),
+    ("auto", 2, "lists 2 hosts (box1, box2); expected --host NAME"),
 ])
 def test_install_units_refuses_a_fleet_it_cannot_keep_alive(tmp_path, address, hosts, error):
     from click.testing import CliRunner
@@ -217,3 +218,53 @@ def test_supervisor_never_falls_back_onto_another_replicas_port(tmp_path):
     finally:
         p.kill()
         listener.close()
+
+
+def test_install_units_for_a_two_host_file_writes_head_and_worker_units(tmp_path):
+    """The head host gets Ray's head (its own cards and label) and the controller; a worker
+    host its Ray node joining the head and its own entry point routing from the controller."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    fleet = _fleet_file(tmp_path, "auto", hosts=2)
+    r9k_bin = str(__import__("pathlib").Path(sys.executable).parent / "r9k")
+    head_dir, worker_dir = tmp_path / "head", tmp_path / "worker"
+    base = ["fleet", "install-units", "--config", str(fleet), "--r9k-bin", r9k_bin]
+    res = CliRunner().invoke(main, base + ["--dest", str(head_dir), "--host", "box1"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in head_dir.iterdir()) == ["r9k-fleet.service", "r9k-ray-head.service"]
+    assert f"ExecStart={r9k_bin} fleet ray-head --config {fleet} --host box1\n" in \
+        (head_dir / "r9k-ray-head.service").read_text()
+    res = CliRunner().invoke(main, base + ["--dest", str(worker_dir), "--host", "box2", "--head",
+                                           "10.0.0.1:6379", "--controller", "http://10.0.0.1:8000"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in worker_dir.iterdir()) == ["r9k-fleet-entry.service", "r9k-ray-worker.service"]
+    worker = (worker_dir / "r9k-ray-worker.service").read_text()
+    assert f"ExecStart={r9k_bin} fleet ray-worker --config {fleet} --host box2 --head 10.0.0.1:6379\n" in worker
+    entry = (worker_dir / "r9k-fleet-entry.service").read_text()
+    assert f"ExecStart={r9k_bin} fleet entry --config {fleet} --controller http://10.0.0.1:8000\n" in entry
+    dry = CliRunner().invoke(main, ["fleet", "ray-worker", "--config", str(fleet), "--host", "box2",
+                                    "--head", "10.0.0.1:6379", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert dry.output.split()[1:] == ["start", "--address", "10.0.0.1:6379", "--block",
+                                      "--include-dashboard=false", "--resources", '{"R9700":', "2}",
+                                      "--labels", "r9k.host=box2", "--num-cpus", "4"]
+    for args, error in [(["--host", "box9"], "--host 'box9' is not in the fleet file's hosts"),
+                        (["--host", "box2", "--head", "10.0.0.1"], "expected the Ray head's HOST:PORT"),
+                        (["--host", "box2", "--head", "10.0.0.1:6379"], "needs --controller URL"),
+                        (["--host", "box2", "--head", "h:1", "--controller", "h:8000"],
+                         "expected an http(s)://HOST:PORT URL")]:
+        out = tmp_path / "refused"
+        res = CliRunner().invoke(main, base + ["--dest", str(out)] + args)
+        assert res.exit_code == 2 and error in res.output, (args, res.output)
+        assert not out.exists()
+    if shutil.which("systemd-analyze"):
+        proc = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                               *(str(p) for d in (head_dir, worker_dir) for p in sorted(d.iterdir()))],
+                              capture_output=True, text=True, timeout=60)
+        problems = [ln for ln in proc.stderr.splitlines() if "r9k-" in ln
+                    and "r9k-ops-apply.service" not in ln]
+        assert proc.returncode == 0 and problems == [], proc.stderr

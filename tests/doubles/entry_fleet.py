@@ -64,7 +64,8 @@ class Table:
                          for r in self.all if r.model == model) or "no replicas configured"
 
     def status(self):
-        return FleetStatus(replicas=[ReplicaStatus(name=r.name, url=r.url, model=r.model, state="ready",
+        return FleetStatus(replicas=[ReplicaStatus(name=r.name, url=r.url, model=r.model,
+                                                   state="ready" if r.name in self.ready else "loading",
                                                    tp=1, num_spec=3, page_mode="onepage",
                                                    cards=["0000:03:00.0"]) for r in self.all])
 

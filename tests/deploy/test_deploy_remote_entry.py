@@ -1,0 +1,111 @@
+"""The entry point on another host (`r9k fleet entry`): routes from the controller's
+/fleet/status over real HTTP, aborts what it has in flight at a replica that leaves the ready
+list (a plain request moves to another replica), serves the last state while the controller is
+away for `state_stale_s`, then 503 naming it; admin actions are the controller's."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from aiohttp import web
+
+from r9k.deploy.entry import EntryPoint, Route
+from r9k.deploy.remote_entry import RemoteBackend
+from r9k.http_client import http_request
+
+from doubles.entry_fleet import LoopServers, Table
+
+KEY = "fleet-key"
+STALE_S = 2.0
+REFRESH_S = 0.2
+
+
+def replica(name: str) -> web.Application:
+    app = web.Application()
+
+    async def completions(request: web.Request) -> web.Response:
+        assert request.headers.get("Authorization") == f"Bearer {KEY}"
+        body = await request.json()
+        await asyncio.sleep(body.get("sleep", {}).get(name, 0))   # seconds, per replica
+        return web.json_response({"replica": name})
+
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def post(url: str, body: dict, timeout: float = 60):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers.get("X-R9k-Replica"), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None, json.loads(exc.read())
+
+
+def test_remote_entry_routes_aborts_moves_and_serves_the_last_state_for_a_bounded_time():
+    servers = LoopServers()
+    try:
+        routes = [Route(n, "m", servers.app(replica(n)), api_key=KEY) for n in ("m-0", "m-1")]
+        table = Table(routes)
+        controller_entry = EntryPoint(table, api_key=KEY)
+        controller_url = servers.entry(controller_entry)
+        controller_runner = servers.runners[-1]
+        backend = RemoteBackend(controller_url, KEY, STALE_S, refresh_s=REFRESH_S)
+        servers.run(backend.start())
+        url = servers.entry(EntryPoint(backend, api_key=KEY, routing="least-outstanding"))
+
+        served = {post(url, {"model": "m"})[1] for _ in range(4)}
+        assert served == {"m-0", "m-1"}
+        assert http_request(url + "/fleet/status", timeout_s=5).json()["replicas"][0]["name"] == "m-0"
+
+        # a slow plain request sits at m-1; m-1 leaves the ready list at the controller
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(post(url, {"model": "m", "sleep": {"m-0": 0.3}})))
+        first.start()
+        time.sleep(0.05)   # m-0 holds one request: the next goes to m-1
+        t0 = time.monotonic()
+        slow = threading.Thread(target=lambda: answers.append(post(url, {"model": "m", "sleep": {"m-1": 8}})))
+        slow.start()
+        time.sleep(0.1)
+        assert backend.table["m-1"].outstanding == 1
+        table.ready.discard("m-1")
+        slow.join(20)
+        first.join(5)
+        took = time.monotonic() - t0
+        code, by, body = answers[-1]
+        assert (code, by) == (200, "m-0") and body == {"replica": "m-0"}   # moved, not waited 8 s
+        assert took < 3 * REFRESH_S + 1.0, took
+        assert "m-1" not in backend.table
+
+        # the controller goes away: the last state is served for STALE_S, then 503 naming it
+        servers.run(controller_runner.cleanup())
+        t_gone = time.monotonic()
+        assert post(url, {"model": "m"})[:2] == (200, "m-0")
+        deadline = t_gone + STALE_S + 3 * REFRESH_S + 2
+        while time.monotonic() < deadline:
+            code, _, body = post(url, {"model": "m"})
+            if code == 503:
+                break
+            time.sleep(0.1)
+        assert code == 503 and f"the controller at {controller_url} is away for" in body["error"]["message"]
+        assert time.monotonic() - t_gone >= STALE_S - REFRESH_S
+        # admin actions are the controller's
+        resp = http_request(url + "/fleet/drain", method="POST", json_body={"replica": "m-0"},
+                            headers={"Authorization": f"Bearer {KEY}"}, timeout_s=5)
+        assert resp.status == 409 and controller_url in resp.json()["error"]
+    finally:
+        servers.run(backend.stop())
+        servers.close()
+
+
+def test_remote_entry_refuses_bad_bounds():
+    import pytest
+
+    with pytest.raises(ValueError, match="stale_s 0"):
+        RemoteBackend("http://127.0.0.1:1", None, 0)
