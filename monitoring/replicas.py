@@ -50,12 +50,12 @@ class ReplicaSpecError(ValueError):
 
 
 _SPEC_KEYS = {"name", "model", "model_config", "tp", "num_spec", "page_mode", "platform",
-              "max_model_len", "metrics_path", "cards"}
+              "max_model_len", "metrics_path", "cards", "host"}
 
 
 def parse_replica_spec(spec: str) -> ReplicaDescription:
     """``URL[,key=value...]``, keys: name, model, model_config, tp, num_spec, page_mode, platform,
-    max_model_len, metrics_path, cards (PCI addresses joined by ``|``)."""
+    max_model_len, metrics_path, cards (PCI addresses joined by ``|``), host."""
     url, *pairs = [p.strip() for p in spec.split(",")]
     data: dict[str, Any] = {"url": url}
     for pair in pairs:
@@ -317,8 +317,9 @@ class ReplicaCollector:
         up = gauge("r9k_replica_up", "1 when the replica's /metrics answered this scrape.")
         info = gauge("r9k_replica_info", "Replica page mode and layout source (value 1).",
                      ["page_mode", "tp", "num_spec", "layout_source"])
-        cards = GaugeMetricFamily("r9k_replica_card_info", "Cards a replica runs on (value 1).",
-                                  labels=["replica", "bdf"])
+        cards = GaugeMetricFamily("r9k_replica_card_info", "Cards a replica runs on (value 1): "
+                                  "a card is its host and PCI address.",
+                                  labels=["replica", "host", "bdf"])
         state = gauge("r9k_replica_state", "Fleet state, one-hot (loading, ready, draining, unhealthy).",
                       ["state"])
         running = gauge("r9k_replica_requests_running", "Requests running (vllm:num_requests_running).")
@@ -345,7 +346,7 @@ class ReplicaCollector:
             info.add_metric(labels + [r.page_mode, str(r.desc.tp), str(r.desc.num_spec),
                                       r.layout.source if r.layout else "none"], 1.0)
             for bdf in r.desc.cards:
-                cards.add_metric([r.desc.name, bdf], 1.0)
+                cards.add_metric([r.desc.name, r.desc.host or "", bdf], 1.0)
             if r.desc.state is not None:
                 for s in REPLICA_STATES:
                     state.add_metric(labels + [s], 1.0 if s == r.desc.state else 0.0)

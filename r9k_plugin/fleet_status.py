@@ -40,6 +40,7 @@ class ReplicaDescription(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)  # None: ask the replica's /v1/models
     state: Literal["loading", "ready", "draining", "unhealthy"] | None = None  # from the fleet
     cards: list[str] = Field(default_factory=list)  # PCI addresses the replica runs on
+    host: str | None = None                         # the host they are on (a card is host + address)
 
     @field_validator("url")
     @classmethod
@@ -69,7 +70,6 @@ class ReplicaStatus(ReplicaDescription):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
 
     url: str | None = None                    # None: stopped, not routed
-    host: str | None = None
     reason: str | None = None                 # the lifecycle's last reason
     page_reason: str | None = None            # why stock pages, or why the page proof failed
     kv: PageProof | None = None

@@ -241,7 +241,7 @@ def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
         fleet_doc = {"replicas": [
             {"name": "r1", "url": replica.url, "model_config": str(tiny_model_dir), "tp": 1, "num_spec": 2,
              "mode": "onepage", "platform": "cpu", "max_model_len": 4096, "state": "ready",
-             "cards": [CARD_A, CARD_B], "future_field": "ignored"},
+             "cards": [CARD_A, CARD_B], "host": "gpu-b", "future_field": "ignored"},
             {"name": "r2", "url": dead_url(), "model": "tiny", "state": "unhealthy"},
         ]}
         with FakeFleet(fleet_doc) as fleet:
@@ -253,7 +253,7 @@ def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
             assert val(s, "r9k_replica_state", replica="r1", model="tiny", state="draining") == 0
             assert val(s, "r9k_replica_state", replica="r2", model="tiny", state="unhealthy") == 1
             assert val(s, "r9k_replica_up", replica="r2", model="tiny") == 0
-            assert val(s, "r9k_replica_card_info", replica="r1", bdf=CARD_B) == 1
+            assert val(s, "r9k_replica_card_info", replica="r1", host="gpu-b", bdf=CARD_B) == 1
             assert val(s, "r9k_kv_pinned_ratio", replica="r1", model="tiny", kind="gdn") == pytest.approx(2 / 64)
             fleet.document = None  # the fleet entry point stops answering
             s = scrape(registry)
