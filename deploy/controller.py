@@ -217,6 +217,7 @@ class FleetController(Backend):
 
     def _spawn(self, r: Replica, coro: Coroutine) -> None:
         r.task = asyncio.create_task(self._guard(r, coro))
+        r.task.add_done_callback(lambda _t: coro.close())  # cancelled before it began: no warning
 
     async def _guard(self, r: Replica, coro: Coroutine) -> None:
         try:
@@ -309,6 +310,7 @@ class FleetController(Backend):
         try:
             r.assignment = place_one(ReplicaSlot(r.name, r.model.name, r.model.tp), self.pool, self.cfg.platform)
         except PlacementError as exc:
+            r.assignment = None   # it holds no cards while it waits
             self._note(r, r.lc.not_placed(time.monotonic(), why, str(exc)))
             return
         self._note(r, r.lc.placed(r.assignment.host, r.assignment.cards, why))
@@ -467,10 +469,18 @@ class FleetController(Backend):
         """One look at a replica: supervisor report, /health, /metrics once; the lifecycle decides."""
         assert r.ray is not None and r.route is not None and self.probe is not None
         now = time.monotonic()
+        start, route = r.lc.starts, r.route
+
+        def stale() -> bool:  # the replica moved on while this probe waited (restart, drain)
+            return r.lc.starts != start or r.route is not route or r.task is not None
+
         try:
             st = await r.ray.status(SUPERVISOR_TIMEOUT_S)
         except Exception as exc:
-            self._note(r, r.lc.observe(now, Observation(supervisor_error=type(exc).__name__)))
+            if not stale():
+                self._note(r, r.lc.observe(now, Observation(supervisor_error=type(exc).__name__)))
+            return
+        if stale():
             return
         r.engine_pids = st["engine_pids"]
         if not st["alive"]:
@@ -482,6 +492,8 @@ class FleetController(Backend):
         # a replica that did not answer /health is judged by the heartbeat layer alone: its
         # /metrics would cost another timeout before the verdict
         text = await self.probe.metrics_text(r.route.url) if heartbeat else None
+        if stale():
+            return
         # an unreadable /metrics while loading fails the proof (no cache_config_info), as before
         proof = (prove_pages(text or "", self.plans[r.model.name], r.model.gdn_state)
                  if loading and heartbeat else None)

@@ -3,6 +3,7 @@ lifecycle, placement and page proof. The real thing is test_deploy_fleet_engine.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -65,7 +66,11 @@ class FakeRaySide:
     def connect(self, cfg) -> bool:
         return False
 
+    nodes: dict[str, str] | None = None   # set by a test: the live Ray nodes now
+
     def live_hosts(self, cfg) -> dict[str, str]:
+        if self.nodes is not None:
+            return dict(self.nodes)
         return {h.name: f"node-{h.name}" for h in cfg.hosts}
 
     async def inventory(self, cfg, nodes=None):
@@ -384,3 +389,181 @@ def test_item13_a_ready_replica_answering_html_on_metrics_does_not_break_the_pro
 
     run(scenario())
     assert r.lc.state == READY and c.probe.metrics_reads == 2
+
+
+def two_host_fleet(tmp_path, placement_timeout_s: float = 120):
+    """Two hosts with the same addresses (identical servers), one TP1 replica; the real
+    controller on a fake Ray side whose live nodes a test sets."""
+    from r9k.devtools.tiny_model import make_tiny
+
+    make_tiny(tmp_path / "tiny", seed=0)
+    cfg = parse_fleet(f"""
+platform: cpu
+ray: {{address: auto}}
+exporter: null
+replica_bind: node-ip
+ops_state_dir: {tmp_path / "{host}" / "ops"}
+run_dir: {tmp_path / "run"}
+hosts:
+  - {{name: hA, cards: [{{bdf: "{CARDS[0]}", cpu_bind: "0"}}]}}
+  - {{name: hB, cards: [{{bdf: "{CARDS[0]}", cpu_bind: "1"}}]}}
+placement: {{timeout_s: {placement_timeout_s}}}
+health: {{restart_backoff_s: 0.01, drain_timeout_s: 1}}
+models:
+  - {{name: tiny, path: {tmp_path / "tiny"}, replicas: 1, speculative: {{method: mtp, k: 3}},
+     max_model_len: 4096, kv_cache_memory_bytes: {64 << 20}, state_dtype: float32}}
+""")
+    calls: list[str] = []
+    placed: list[tuple] = []
+    c = FleetController(cfg, ray_side=FakeRaySide(calls, placed))
+    c.calls, c.placed, c.plan_ = calls, placed, c.plans["tiny"]
+    return c
+
+
+async def _started(c):
+    await c.start()
+    c.monitor_task.cancel()   # ticks are driven by the test
+    c.probe = FakeProbe()
+    c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+    r = c.replicas["tiny-0"]
+    await settle(r)
+    await c._probe(r)
+    assert r.lc.state == READY
+    return r
+
+
+def test_a_lost_host_releases_its_replica_and_places_it_on_a_live_host(tmp_path):
+    c = two_host_fleet(tmp_path)
+
+    async def scenario():
+        r = await _started(c)
+        first = r.assignment.host
+        other = "hB" if first == "hA" else "hA"
+        c.ray_side.nodes = {other: f"node-{other}"}
+        await c._inventory_tick()
+        await settle(r)
+        assert [h.name for h in c.hosts] == [other]
+        assert (r.assignment.host, r.assignment.cards) == (other, (CARDS[0],))
+        assert c.pool.in_use == {(other, CARDS[0]): "tiny-0"}
+        assert any(f"host {first} lost" in h for h in r.history)
+        # the other host leaves too: nothing fits; it waits, and is placed when one joins
+        c.ray_side.nodes = {}
+        await c._inventory_tick()
+        await settle(r)
+        assert r.lc.state == UNHEALTHY and "waiting for cards" in r.lc.reason and r.assignment is None
+        assert c.pool.in_use == {}
+        c.ray_side.nodes = {first: f"node-{first}-2"}
+        await c._inventory_tick()
+        assert r.lc.placement_due(time.monotonic(), False)
+        await c._replace(r, r.lc.reason)
+        assert (r.assignment.host, r.lc.state) == (first, LOADING)
+        await c.stop()
+
+    run(scenario())
+    assert c.calls.count("release_lost") == 2   # each lost host's supervisor, never asked to stop
+
+
+def test_a_failed_placement_frees_its_cards_and_is_tried_again(tmp_path):
+    from r9k.deploy.placement import PlacementError
+
+    c = two_host_fleet(tmp_path)
+    c.ray_side.place_error = PlacementError("placement group for hA 0000:c1:00.0 not ready after 120 s")
+
+    async def scenario():
+        await c.start()
+        c.monitor_task.cancel()
+        r = c.replicas["tiny-0"]
+        await settle(r)
+        assert r.lc.state == UNHEALTHY and "not ready after 120 s" in r.lc.reason
+        assert c.pool.in_use == {} and r.lc.place_due is not None   # cards freed, retried later
+        c.ray_side.place_error = None
+        await c._replace(r, "retry")
+        assert r.lc.state == LOADING and len(c.placed) == 1
+        await c.stop()
+
+    run(scenario())
+
+
+def test_fences_come_from_each_hosts_agent_and_ops_clear_returns_them(tmp_path):
+    from r9k.ops.state import clear_card, update_card_state
+
+    c = two_host_fleet(tmp_path)
+
+    def fence_on(host: str) -> None:
+        def bad(state):
+            state.healthy, state.unhealthy_reason = False, "mes_timeout: MES failed"
+        update_card_state(c.cfg.host_state_dir(host), CARDS[0], bad)
+
+    async def scenario():
+        r = await _started(c)
+        host = r.assignment.host
+        other = "hB" if host == "hA" else "hA"
+        fence_on(other)   # the same address on the other host: this replica is not touched
+        await c._ops_poll()
+        assert r.lc.state == READY
+        assert c.pool.unusable == {(other, CARDS[0]): "ops: mes_timeout: MES failed"}
+        fence_on(host)
+        await c._ops_poll()
+        await settle(r)
+        assert any(f"draining: card {host}/{CARDS[0]} fenced" in h for h in r.history)
+        assert r.lc.state == UNHEALTHY and "waiting for cards" in r.lc.reason
+        clear_card(c.cfg.host_state_dir(other), CARDS[0])
+        await c._ops_poll()
+        assert c.pool.unusable == {(host, CARDS[0]): "ops: mes_timeout: MES failed"}
+        await c.stop()
+
+    run(scenario())
+    # a new controller reads the fences again from the hosts
+    c2 = two_host_fleet(tmp_path)
+
+    async def again():
+        await c2.start()
+        c2.monitor_task.cancel()
+        fenced = set(c2.pool.unusable)
+        await c2.stop()
+        return fenced
+
+    assert len(run(again())) == 1
+
+
+def test_operator_card_drain_names_the_host_persists_and_undrains(tmp_path):
+    import json
+
+    c = two_host_fleet(tmp_path)
+
+    async def scenario():
+        r = await _started(c)
+        host = r.assignment.host
+        assert await c.admin("drain", {"card": CARDS[0]}) == (400, {"error": (
+            f"card {CARDS[0]} is on 2 hosts (hA, hB); expected a host (--host, or the ops hook's "
+            "R9K_FLEET_HOST)")})
+        assert (await c.admin("drain", {"card": CARDS[0], "host": "hC"}))[0] == 400
+        status, body = await c.admin("drain", {"card": CARDS[0], "host": host})
+        assert (status, body) == (200, {"card": f"{host}/{CARDS[0]}", "drained": ["tiny-0"]})
+        await settle(r)
+        assert json.loads((c.run_dir / "fences.json").read_text()) == {
+            f"{host}/{CARDS[0]}": "drained by operator"}
+        assert (await c.admin("undrain", {"card": CARDS[0], "host": "hA" if host == "hB" else "hB"}))[0] == 409
+        await c.stop()
+        return host
+
+    host = run(scenario())
+    c2 = two_host_fleet(tmp_path)   # a restarted controller keeps the operator's fence
+
+    async def again():
+        await c2.start()
+        c2.monitor_task.cancel()
+        kept = dict(c2.pool.unusable)
+        undrained = await c2.admin("undrain", {"card": CARDS[0], "host": host})
+        after = dict(c2.pool.unusable)
+        await c2.stop()
+        return kept, undrained, after
+
+    kept, undrained, after = run(again())
+    assert kept == {(host, CARDS[0]): "drained by operator"}
+    assert undrained == (200, {"card": f"{host}/{CARDS[0]}", "undrained": True}) and after == {}
+    assert json.loads((c2.run_dir / "fences.json").read_text()) == {}
+    (c2.run_dir / "fences.json").write_text("{not json")
+    c3 = two_host_fleet(tmp_path)
+    with pytest.raises(Exception, match="fences.json: unreadable"):
+        run(c3.start())
