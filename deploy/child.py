@@ -60,7 +60,8 @@ def guard(parent_pid: int, argv: list[str]) -> int:
         if os.getppid() != parent_pid:  # the supervisor is gone: nothing may keep the cards
             os.killpg(os.getpgrp(), signal.SIGKILL)
     if rc < 0:  # report a signal as the same signal (a SIGKILLed engine reads as -9)
-        signal.signal(-rc, signal.SIG_DFL)
+        if -rc not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(-rc, signal.SIG_DFL)
         os.kill(me, -rc)
         time.sleep(1)
     return rc

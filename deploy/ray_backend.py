@@ -217,8 +217,6 @@ class RayReplica:
 
     async def release(self, grace_s: float) -> None:
         """Stop the engine (SIGKILL after ``grace_s``), end the actor, free the cards' bundles."""
-        import ray
-
         try:
             await asyncio.wait_for(self.actor.stop.remote(grace_s), grace_s + RELEASE_SLACK_S)
         except Exception:  # the actor (or its node) is gone already, or does not answer

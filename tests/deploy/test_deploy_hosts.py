@@ -36,6 +36,8 @@ PROBE_S = 1.0
 HEARTBEAT_S = 3.0
 CHUNK_S = 3.0
 TOKEN_DELAY_S = 0.05
+BACKOFF_S = 30.0
+JOIN_BOUND_S = 15.0
 
 
 def fleet_text(port: int, base: Path, hosts: dict[str, int], models: list[dict]) -> str:
@@ -48,8 +50,10 @@ def fleet_text(port: int, base: Path, hosts: dict[str, int], models: list[dict])
         "hosts": [{"name": h, "cards": CARDS[:n]} for h, n in hosts.items()],
         "placement": {"gpu_resource": False, "cpus_per_card": 0, "timeout_s": 20},
         "health": {"probe_interval_s": PROBE_S, "heartbeat_timeout_s": HEARTBEAT_S,
-                   "progress_timeout_s": 30, "grace_after_ready_s": 0, "restart_backoff_s": 2,
-                   "restart_backoff_max_s": 4, "drain_timeout_s": 5},
+                   "progress_timeout_s": 30, "grace_after_ready_s": 0,
+                   # a long backoff: a waiting replica placed within seconds of a host joining
+                   # was placed because the host joined
+                   "restart_backoff_s": BACKOFF_S, "restart_backoff_max_s": 60, "drain_timeout_s": 5},
         "models": [{"path": str(base / "tiny"), "max_model_len": 4096,
                     "kv_cache_memory_bytes": 64 << 20, "state_dtype": "float32", **m}
                    for m in models]})
@@ -331,7 +335,7 @@ def rejoined_host_takes_the_waiting_replica(f: Fleet) -> None:
     """(c) a replica stuck unplaced is placed once a node with free cards (re)joins."""
     t0 = time.monotonic()
     f.nodes["hB"] = f.add_host("hB")
-    st = wait_until(f, lambda s: replicas(s)[f.waiting]["state"] == "ready", 60)
+    st = wait_until(f, lambda s: replicas(s)[f.waiting]["state"] == "ready", JOIN_BOUND_S)
     r = replicas(st)[f.waiting]
     assert r["host"] == "hB"
     TIMELINE["rejoin_to_ready_s"] = round(time.monotonic() - t0, 1)

@@ -268,3 +268,67 @@ def test_install_units_for_a_two_host_file_writes_head_and_worker_units(tmp_path
         problems = [ln for ln in proc.stderr.splitlines() if "r9k-" in ln
                     and "r9k-ops-apply.service" not in ln]
         assert proc.returncode == 0 and problems == [], proc.stderr
+
+
+def test_guarded_engine_group_dies_with_its_supervisor_even_by_sigkill(tmp_path):
+    """r9k.deploy.child --guard: the command and its own children (an engine core) are killed
+    when the supervisor that started the guard is SIGKILLed; the guard reports the command's
+    status, a signal as the same signal; the control (an unguarded child) outlives it."""
+    code = f"""
+import os, subprocess, sys, time
+guarded = subprocess.Popen([sys.executable, "-m", "r9k.deploy.child", "--guard", str(os.getpid()),
+                            sys.executable, "-c",
+                            "import subprocess, sys, time; "
+                            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+                            "open({str(tmp_path / 'core')!r}, 'w').write(str(c.pid)); time.sleep(120)"],
+                           start_new_session=True)
+plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open({str(tmp_path / "pids")!r}, "w").write(f"{{guarded.pid}} {{plain.pid}}")
+time.sleep(120)
+"""
+    supervisor = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "core").exists() or not (tmp_path / "core").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    guard, plain = map(int, (tmp_path / "pids").read_text().split())
+    core = int((tmp_path / "core").read_text())
+    server = [c.pid for c in psutil.Process(guard).children()]
+    assert len(server) == 1 and core in [c.pid for c in psutil.Process(server[0]).children()]
+    supervisor.kill()
+    supervisor.wait(10)
+    try:
+        for pid in (guard, server[0], core):
+            assert _gone(pid, 5), f"{pid} outlived its SIGKILLed supervisor"
+        assert not _gone(plain, 1), "control: an unguarded child should outlive it"
+    finally:
+        for pid in (guard, server[0], core, plain):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_guard_reports_the_commands_exit_and_signals_as_its_own():
+    me = str(os.getpid())
+    ok = subprocess.run([sys.executable, "-m", "r9k.deploy.child", "--guard", me, sys.executable,
+                         "-c", "raise SystemExit(3)"], timeout=60)
+    assert ok.returncode == 3
+    killed = subprocess.run([sys.executable, "-m", "r9k.deploy.child", "--guard", me, sys.executable,
+                             "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    bad = subprocess.run([sys.executable, "-m", "r9k.deploy.child", "--guard", "1", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "parent 1 is gone" in bad.stderr
+
+
+def test_a_model_path_missing_on_the_host_fails_the_start_naming_the_host(tmp_path):
+    from r9k.deploy.supervisor import ReplicaProcess
+
+    lo = free_port()
+    p = ReplicaProcess("m-0", [sys.executable, "-c", "import time; time.sleep(60)", "{port}"],
+                       str(tmp_path), "127.0.0.1", (lo, lo + 9),
+                       spec={"host": "gpu-b", "model_path": str(tmp_path / "missing")})
+    with pytest.raises(RuntimeError, match=r"model path .*missing has no config.json on host gpu-b"):
+        p.start()
+    assert p.status()["alive"] is False and p.starts == 0
