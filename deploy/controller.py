@@ -67,6 +67,7 @@ class Replica:
     engine_pids: list[int] = field(default_factory=list)
     task: asyncio.Task | None = None      # launch / restart / drain in progress
     probe_task: asyncio.Task | None = None  # one probe at a time, never waited on by others
+    probed_at: float | None = None         # monotonic time of the last finished probe
     history: list[str] = field(default_factory=list)
 
     @property
@@ -206,7 +207,8 @@ class FleetController(Backend):
         runs again), its pid unchanged."""
         eng = desc["engine"]
         r.ray = rr
-        r.route = Route(r.name, r.model.name, eng["url"], api_key=self.api_key)
+        r.route = Route(r.name, r.model.name, eng["url"], api_key=self.api_key,
+                        host=r.assignment.host if r.assignment else None)
         r.pid, r.engine_pids = eng["pid"], desc.get("engine_pids") or []
         self._note(r, r.lc.adopted(time.monotonic(), eng["start"], eng["pid"], eng["url"]))
 
@@ -287,7 +289,8 @@ class FleetController(Backend):
         if taken:  # a port race lost: never route two replicas to one server
             await r.ray.kill_engine()
             raise RuntimeError(f"engine started at {info['url']}, which {taken[0]} serves")
-        r.route = Route(r.name, r.model.name, info["url"], api_key=self.api_key)
+        r.route = Route(r.name, r.model.name, info["url"], api_key=self.api_key,
+                        host=r.assignment.host if r.assignment else None)
         r.pid = info["pid"]
         self._note(r, r.lc.engine_started(time.monotonic(), info["start"], info["pid"], info["url"], info["log"]))
 
@@ -464,6 +467,8 @@ class FleetController(Backend):
                 await self._probe(r)
         except Exception:
             log.exception("%s: probe failed", r.name)
+        finally:
+            r.probed_at = time.monotonic()
 
     async def _probe(self, r: Replica) -> None:
         """One look at a replica: supervisor report, /health, /metrics once; the lifecycle decides."""
@@ -539,6 +544,8 @@ class FleetController(Backend):
             outstanding=r.route.outstanding if r.route else 0,
             served=r.route.served if r.route else 0,
             pid=r.pid, engine_pids=r.engine_pids, history=r.history[-8:],
+            probe_age_s=(round(time.monotonic() - r.probed_at, 2)
+                         if r.probed_at is not None and r.route is not None else None),
             rccl_env=rccl_env(m, self.cfg))
 
     def status(self) -> FleetStatus:

@@ -40,6 +40,7 @@ class Route:
     engine: EngineLoad | None = None  # the engine's own state, from the controller's probe
     refused_until: float = 0.0  # monotonic: refused a connection; skipped until then
     aborted: str | None = None  # why its in-flight requests were ended (unhealthy, released)
+    host: str | None = None     # the replica's host: a retry goes to another host first
     waiters: set = field(default_factory=set, repr=False)  # one future per request in flight
 
     def abort(self, reason: str) -> None:
@@ -257,12 +258,16 @@ class EntryPoint:
         if model not in names:
             return _error(404, f"model {model!r} is not served here; models: {', '.join(names)}", "NotFound")
         tried: dict[str, str] = {}
+        failed_hosts: set[str | None] = set()
         delivered = 0  # attempts that may have reached an engine (a refused connection did not)
         while True:
             route = None
             if delivered < MAX_TRIES:
                 now = time.monotonic()
                 ready = [r for r in self.backend.routes(model) if r.name not in tried]
+                # a retry goes to another host first: when a host is lost, all its replicas
+                # fail at once, before the controller sees the host gone
+                ready = [r for r in ready if r.host is None or r.host not in failed_hosts] or ready
                 # a replica that just refused a connection (dead before the probe saw it) is
                 # skipped for REFUSED_SKIP_S while another can take the request
                 up = [r for r in ready if r.refused_until <= now] or ready
@@ -291,6 +296,8 @@ class EntryPoint:
                 # probe saw it, or mid-way through a plain body, which is buffered): completions
                 # have no side effects, so the next replica may take it.
                 tried[route.name] = type(exc).__name__
+                if route.host is not None:
+                    failed_hosts.add(route.host)
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     # nothing was sent: any other ready replica may take it (a lost host's
                     # replicas all refuse before the controller sees the host gone)

@@ -91,7 +91,7 @@ class RemoteBackend:
                 del self.table[name]
         for name, r in ready.items():
             if name not in self.table:
-                self.table[name] = Route(name, r.model, r.url, api_key=self.api_key)
+                self.table[name] = Route(name, r.model, r.url, api_key=self.api_key, host=r.host)
         self.last, self.last_ok, self.last_error = status, now, None
 
     @property

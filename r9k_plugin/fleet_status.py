@@ -82,6 +82,7 @@ class ReplicaStatus(ReplicaDescription):
     engine_pids: list[int] = Field(default_factory=list)
     history: list[str] = Field(default_factory=list)
     rccl_env: dict[str, str] = Field(default_factory=dict)
+    probe_age_s: float | None = None          # seconds since its last health probe finished
 
     @field_validator("url")
     @classmethod
