@@ -115,7 +115,8 @@ def test_examples_parse_and_keep_vllms_prefix_caching_default():
     on GPUs."""
     from r9k.deploy.engine import engine_argv
 
-    for name, platform in (("local-cpu.yaml", "cpu"), ("r9700-host.yaml", "gpu")):
+    for name, platform in (("local-cpu.yaml", "cpu"), ("r9700-host.yaml", "gpu"),
+                           ("r9700-two-hosts.yaml", "gpu")):
         cfg = parse_fleet((EXAMPLES / name).read_text(), name)
         assert cfg.platform == platform
         for m in cfg.models:
@@ -246,3 +247,15 @@ def test_fleet_vllm_series_defaults_to_032_and_is_checked():
     assert parse_fleet(fleet_text(vllm="0.34")).vllm == "0.34"
     msg = refused(fleet_text(vllm="0.35"))
     assert "vllm" in msg and "0.34" in msg, msg
+
+
+def test_two_host_example_places_four_tp2_over_both_identical_hosts():
+    from r9k.deploy.placement import CardPool, check_fits, plan_placement, replica_slots
+
+    cfg = parse_fleet((EXAMPLES / "r9700-two-hosts.yaml").read_text())
+    assert [h.name for h in cfg.hosts] == ["gpu-a", "gpu-b"] and cfg.replica_bind == "node-ip"
+    assert [c.bdf for c in cfg.hosts[0].cards] == [c.bdf for c in cfg.hosts[1].cards]
+    check_fits(cfg, cfg.hosts, {})
+    plan = plan_placement(replica_slots(cfg), CardPool(cfg.hosts))
+    used = sorted((a.host, b) for a in plan.values() for b in a.cards)
+    assert used == sorted((h.name, c.bdf) for h in cfg.hosts for c in h.cards)
