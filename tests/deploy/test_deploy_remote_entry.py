@@ -109,3 +109,59 @@ def test_remote_entry_refuses_bad_bounds():
 
     with pytest.raises(ValueError, match="stale_s 0"):
         RemoteBackend("http://127.0.0.1:1", None, 0)
+
+
+def test_fleet_entry_command_serves_from_the_controller_and_refuses_bad_input(tmp_path):
+    """`r9k fleet entry` as an operator runs it on another host: a real process serving the
+    fleet's /v1 from the controller's state; a controller that is not a URL is refused (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    from r9k.devtools.local_server import free_port
+    from r9k.devtools.tiny_model import build_config
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(build_config()))
+    port = free_port()
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({
+        "platform": "cpu", "ray": {"address": "auto"}, "exporter": None,
+        "entry": {"port": port, "api_key_env": "R9K_TEST_KEY"},
+        "hosts": [{"name": "a", "cards": [{"bdf": "0000:c1:00.0", "cpu_bind": "0"}]}],
+        "models": [{"name": "m", "path": str(tmp_path / "tiny"), "kv_cache_memory_bytes": 64 << 20}]}))
+    servers = LoopServers()
+    env = dict(os.environ, R9K_TEST_KEY=KEY)
+    cmd = [sys.executable, "-c", "from r9k.cli import main; main()", "fleet", "entry", "--config", str(fleet)]
+    proc = None
+    try:
+        table = Table([Route("m-0", "m", servers.app(replica("m-0")), api_key=KEY)])
+        controller_url = servers.entry(EntryPoint(table, api_key=KEY))
+        bad = subprocess.run(cmd + ["--controller", "gpu-a:8000"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and "expected an http(s)://HOST:PORT URL" in bad.stderr, bad.stderr
+        unset = subprocess.run(cmd + ["--controller", controller_url], capture_output=True, text=True,
+                               timeout=60, env={k: v for k, v in env.items() if k != "R9K_TEST_KEY"})
+        assert unset.returncode == 2 and "R9K_TEST_KEY is not set" in unset.stderr, unset.stderr
+        proc = subprocess.Popen(cmd + ["--controller", controller_url], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if http_request(url + "/health", timeout_s=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+            time.sleep(0.2)
+        assert post(url, {"model": "m"}) == (200, "m-0", {"replica": "m-0"})
+        models = http_request(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                              timeout_s=5).json()
+        assert [m["id"] for m in models["data"]] == ["m"]
+        assert http_request(url + "/v1/models", timeout_s=5).status == 401   # the fleet's key
+    finally:
+        if proc is not None:
+            proc.terminate()
+            assert proc.wait(15) == 0
+        servers.close()
