@@ -90,6 +90,11 @@ class HostAgent:
     """One per live node, on that node: reads its host's ops state (the cards ops fenced there),
     so a fence written on any host reaches the controller without a hook."""
 
+    def __init__(self) -> None:
+        from r9k.deploy.supervisor import exit_with_raylet
+
+        exit_with_raylet()   # an agent outliving its raylet would be an orphan on that host
+
     def card_states(self, state_dir: str) -> dict[str, str]:
         from r9k.ops.state import read_card_states
 

@@ -41,6 +41,21 @@ def fill_address(argv_template: list[str], host: str, port: int) -> list[str]:
 RAYLET_WATCH_S = 0.5
 
 
+def exit_with_raylet(before_exit=None) -> None:
+    """End this Ray worker (after ``before_exit``) as soon as its raylet, its parent, is gone:
+    Ray leaves a worker running for minutes after its raylet dies (measured)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(RAYLET_WATCH_S)
+        if before_exit is not None:
+            before_exit()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="raylet-watchdog").start()
+
+
 def guarded(argv: list[str]) -> list[str]:
     """The engine under `r9k.deploy.child --guard`: its whole process group dies with this
     supervisor, whatever kills it."""
@@ -68,15 +83,7 @@ class ReplicaProcess:
         self.server: ServerProcess | None = None
         self.starts = 0
         if watch_parent:
-            parent = os.getppid()
-            threading.Thread(target=self._watch_parent, args=(parent,), daemon=True,
-                             name="raylet-watchdog").start()
-
-    def _watch_parent(self, parent: int) -> None:
-        while os.getppid() == parent:
-            time.sleep(RAYLET_WATCH_S)
-        self.kill()
-        os._exit(1)
+            exit_with_raylet(self.kill)
 
     def start(self) -> dict:
         self.kill()

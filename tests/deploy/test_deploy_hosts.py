@@ -299,6 +299,11 @@ def host_loss_keeps_serving_re_places_and_leaves_no_process(f: Fleet) -> None:
     assert sorted(on_b) == ["m-0", "m-2"]
     pids = [p for r in on_b.values() for p in processes_of(r)]
     assert len(pids) >= 6 and all(alive(p) for p in pids)   # guard, server, core each
+    import ray
+
+    agent = f.controller.ray_side.agents[f.controller.nodes["hB"]]
+    pids.append(ray.get(agent.pid.remote(), timeout=30))   # hB's agent goes with its raylet too
+    assert alive(pids[-1])
     client = Client(f)
     time.sleep(2)
     os.kill(f.raylet_pid("hB"), signal.SIGKILL)
