@@ -298,10 +298,6 @@ def ray_node_argv(cfg, ray_bin: str, host: str | None = None, head: str | None =
     return argv
 
 
-def ray_head_argv(cfg, ray_bin: str, host: str | None = None) -> list[str]:
-    return ray_node_argv(cfg, ray_bin, host)
-
-
 def _head_address(head: str) -> str:
     hostpart, sep, port = head.rpartition(":")
     if not (sep and hostpart and port.isdigit() and 1 <= int(port) <= 65535):
@@ -315,8 +311,13 @@ def _head_address(head: str) -> str:
 @click.option("--dry-run", is_flag=True, help="print the ray command instead of running it")
 def ray_head(config: str, host: str | None, dry_run: bool) -> None:
     """Run this host's Ray head for the fleet (in the foreground; systemd: r9k-ray-head.service)."""
+    _run_ray_node(config, host, None, dry_run)
+
+
+def _run_ray_node(config: str, host: str | None, head: str | None, dry_run: bool) -> None:
     cfg = _load(config)
-    argv = ray_node_argv(cfg, str(Path(sys.executable).parent / "ray"), host)
+    argv = ray_node_argv(cfg, str(Path(sys.executable).parent / "ray"), host,
+                         _head_address(head) if head is not None else None)
     if dry_run:
         click.echo(" ".join(argv))
         return
@@ -330,12 +331,7 @@ def ray_head(config: str, host: str | None, dry_run: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="print the ray command instead of running it")
 def ray_worker(config: str, host: str, head: str, dry_run: bool) -> None:
     """Run this host's Ray node, joining the head (foreground; systemd: r9k-ray-worker.service)."""
-    cfg = _load(config)
-    argv = ray_node_argv(cfg, str(Path(sys.executable).parent / "ray"), host, _head_address(head))
-    if dry_run:
-        click.echo(" ".join(argv))
-        return
-    os.execv(argv[0], argv)
+    _run_ray_node(config, host, head, dry_run)
 
 
 @fleet.command("entry")

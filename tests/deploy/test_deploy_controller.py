@@ -138,15 +138,22 @@ models:
   - {{name: tiny, path: {tmp_path / "tiny"}, replicas: 1, speculative: {{method: mtp, k: 3}},
      max_model_len: 4096, kv_cache_memory_bytes: {64 << 20}, state_dtype: float32}}
 """)
-    calls: list[str] = []
-    placed: list[tuple] = []
-    c = FleetController(cfg, ray_side=FakeRaySide(calls, placed))
+    c = fake_controller(cfg)
     c.hosts, c.pool, c.probe = cfg.hosts, CardPool(cfg.hosts), FakeProbe()
     [(name, a)] = plan_placement(replica_slots(cfg), c.pool, "cpu").items()
     r = Replica(name, cfg.model(a.model), a, ReplicaLifecycle(name, cfg.health))
     c.replicas[name] = r
-    c.calls, c.placed, c.plan_ = calls, placed, c.plans["tiny"]
     return c, r
+
+
+def fake_controller(cfg) -> FleetController:
+    """The real controller on the fake Ray side; `calls`, `placed` and the tiny model's plan
+    kept on it for the asserts."""
+    calls: list[str] = []
+    placed: list[tuple] = []
+    c = FleetController(cfg, ray_side=FakeRaySide(calls, placed))
+    c.calls, c.placed, c.plan_ = calls, placed, c.plans["tiny"]
+    return c
 
 
 def run(coro):
@@ -413,11 +420,7 @@ models:
   - {{name: tiny, path: {tmp_path / "tiny"}, replicas: 1, speculative: {{method: mtp, k: 3}},
      max_model_len: 4096, kv_cache_memory_bytes: {64 << 20}, state_dtype: float32}}
 """)
-    calls: list[str] = []
-    placed: list[tuple] = []
-    c = FleetController(cfg, ray_side=FakeRaySide(calls, placed))
-    c.calls, c.placed, c.plan_ = calls, placed, c.plans["tiny"]
-    return c
+    return fake_controller(cfg)
 
 
 async def _started(c):
