@@ -32,7 +32,8 @@ from r9k.deploy.placement import (Assignment, CardKey, CardPool, PlacementError,
                                   card_label, check_fits, parse_card_label, place_one,
                                   plan_placement, replica_slots, unusable_cards)
 from r9k.deploy.probes import HttpProbe
-from r9k.fleet_status import CardStatus, ExporterStatus, FleetStatus, PlanStatus, ReplicaStatus
+from r9k.fleet_status import (CardStatus, EngineLoadStatus, ExporterStatus, FleetStatus, PlanStatus,
+                              ReplicaStatus)
 from r9k.http_client import host_url
 from r9k.deploy.ray_backend import RayReplica
 from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
@@ -546,7 +547,16 @@ class FleetController(Backend):
             pid=r.pid, engine_pids=r.engine_pids, history=r.history[-8:],
             probe_age_s=(round(time.monotonic() - r.probed_at, 2)
                          if r.probed_at is not None and r.route is not None else None),
+            engine_load=self._engine_load(r),
             rccl_env=rccl_env(m, self.cfg))
+
+    @staticmethod
+    def _engine_load(r: Replica) -> EngineLoadStatus | None:
+        e = r.route.engine if r.route is not None else None
+        if e is None:
+            return None
+        return EngineLoadStatus(running=e.running, waiting=e.waiting, kv_usage_ratio=e.kv_usage_ratio,
+                                age_s=round(max(0.0, time.monotonic() - e.read_at_s), 3))
 
     def status(self) -> FleetStatus:
         live = [self.describe(r) for r in self.replicas.values() if r.lc.state != STOPPED and r.route]

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from r9k.deploy.entry import Route
+from r9k.deploy.routing import EngineLoad
 from r9k.fleet_status import FleetStatus
 
 log = logging.getLogger("r9k.fleet.entry")
@@ -92,6 +93,9 @@ class RemoteBackend:
         for name, r in ready.items():
             if name not in self.table:
                 self.table[name] = Route(name, r.model, r.url, api_key=self.api_key, host=r.host)
+            load = r.engine_load   # pool-aware routing scores what the controller's probe read
+            self.table[name].engine = (None if load is None else EngineLoad(
+                load.running, load.waiting, load.kv_usage_ratio, now - load.age_s))
         self.last, self.last_ok, self.last_error = status, now, None
 
     @property

@@ -64,6 +64,18 @@ class PageProof(BaseModel):
     plugin: dict[str, str] | None   # the r9k_plugin_info labels as the replica served them
 
 
+class EngineLoadStatus(BaseModel):
+    """A replica's engine load from the controller's last probe (what pool-aware routing scores),
+    and its age, so an entry point on another host routes as the controller's does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    running: float
+    waiting: float
+    kv_usage_ratio: float
+    age_s: float = Field(ge=0)
+
+
 class ReplicaStatus(ReplicaDescription):
     """A replica as the controller reports it: the description plus its lifecycle."""
 
@@ -83,6 +95,7 @@ class ReplicaStatus(ReplicaDescription):
     history: list[str] = Field(default_factory=list)
     rccl_env: dict[str, str] = Field(default_factory=dict)
     probe_age_s: float | None = None          # seconds since its last health probe finished
+    engine_load: EngineLoadStatus | None = None
 
     @field_validator("url")
     @classmethod

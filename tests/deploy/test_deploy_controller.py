@@ -570,3 +570,21 @@ def test_operator_card_drain_names_the_host_persists_and_undrains(tmp_path):
     c3 = two_host_fleet(tmp_path)
     with pytest.raises(Exception, match="fences.json: unreadable"):
         run(c3.start())
+
+
+def test_status_carries_each_replicas_engine_load_with_its_age(fleet):
+    """What an entry point on another host routes by: the engine load the probe read."""
+    from r9k.deploy.routing import EngineLoad
+
+    c, r = fleet
+
+    async def scenario():
+        await c._launch(r)
+        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+        await c._probe(r)
+
+    run(scenario())
+    assert c.status().replicas[0].engine_load is None   # no load read yet
+    r.route.engine = EngineLoad(3, 1, 0.5, time.monotonic() - 2.0)
+    load = c.status().replicas[0].engine_load
+    assert (load.running, load.waiting, load.kv_usage_ratio) == (3, 1, 0.5) and 2.0 <= load.age_s < 3.0

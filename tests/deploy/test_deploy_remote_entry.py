@@ -165,3 +165,31 @@ def test_fleet_entry_command_serves_from_the_controller_and_refuses_bad_input(tm
             proc.terminate()
             assert proc.wait(15) == 0
         servers.close()
+
+
+def test_remote_entry_routes_pool_aware_from_the_controllers_engine_loads():
+    """The controller's status carries each replica's engine load (as its probe read it, with
+    its age); the remote entry scores replicas by it as the controller's own entry point does:
+    the replica with the freer pool and shorter queue wins, a stale load counts as unknown."""
+    from r9k.deploy.routing import STALE_S, choose
+    from r9k.fleet_status import EngineLoadStatus, FleetStatus, ReplicaStatus
+
+    def replica_status(name, load):
+        return ReplicaStatus(name=name, url=f"http://127.0.0.1:1{name[-1]}", model="m", state="ready",
+                             tp=1, num_spec=3, page_mode="onepage", engine_load=load)
+
+    busy = EngineLoadStatus(running=6, waiting=4, kv_usage_ratio=0.9, age_s=1.0)
+    free = EngineLoadStatus(running=1, waiting=0, kv_usage_ratio=0.2, age_s=1.0)
+    backend = RemoteBackend("http://127.0.0.1:1", KEY, STALE_S)
+    now = time.monotonic()
+    backend.apply(FleetStatus(replicas=[replica_status("m-0", busy), replica_status("m-1", free)]), now)
+    routes = backend.table
+    assert routes["m-0"].engine.running == 6 and abs(routes["m-0"].engine.read_at_s - (now - 1.0)) < 1e-6
+    assert choose(list(routes.values()), "pool-aware", now).name == "m-1"
+    backend.apply(FleetStatus(replicas=[replica_status("m-0", free), replica_status("m-1", busy)]), now)
+    assert choose(list(routes.values()), "pool-aware", now).name == "m-0"
+    old = EngineLoadStatus(running=0, waiting=0, kv_usage_ratio=0.0, age_s=STALE_S + 5)
+    backend.apply(FleetStatus(replicas=[replica_status("m-0", busy), replica_status("m-1", old)]), now)
+    assert choose(list(routes.values()), "pool-aware", now).name == "m-1"   # unknown beats busy
+    backend.apply(FleetStatus(replicas=[replica_status("m-0", None), replica_status("m-1", None)]), now)
+    assert routes["m-0"].engine is None and routes["m-1"].engine is None
