@@ -295,10 +295,14 @@ class FleetController(Backend):
         r.pid = info["pid"]
         self._note(r, r.lc.engine_started(time.monotonic(), info["start"], info["pid"], info["url"], info["log"]))
 
-    async def _release(self, r: Replica, grace_s: float | None = None) -> None:
+    async def _release(self, r: Replica, grace_s: float | None = None, lost: bool = False) -> None:
+        """Stop and free the replica's Ray side and cards; ``lost``: its host is gone, so its
+        supervisor is not asked to stop the engine."""
         if r.route is not None:
             r.route.abort(f"replica {r.name} released")
-        if r.ray is not None:
+        if r.ray is not None and lost:
+            await r.ray.release_lost()
+        elif r.ray is not None:
             await r.ray.release(self.cfg.health.drain_timeout_s if grace_s is None else grace_s)
         r.ray = r.route = None
         r.pid, r.engine_pids = None, []
@@ -409,12 +413,7 @@ class FleetController(Backend):
 
     async def _host_lost(self, r: Replica, host: str) -> None:
         self._note(r, r.lc.host_lost(time.monotonic(), host))
-        if r.route is not None:
-            r.route.abort(f"replica {r.name}: host {host} lost")
-        if r.ray is not None:
-            await r.ray.release_lost()
-        r.ray = r.route = None
-        r.pid, r.engine_pids = None, []
+        await self._release(r, lost=True)
         await self._replace(r, f"host {host} lost")
 
     async def _ops_poll(self) -> None:

@@ -160,6 +160,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def launched_ready(c: FleetController, r: Replica) -> None:
+    """Placed, its engine started, and one probe reading one-page pages: ready."""
+    await c._launch(r)
+    c.probe.text = metrics_text(c.plan_.onepage, "onepage")
+    await c._probe(r)
+
+
 async def settle(r: Replica) -> None:
     while r.task is not None:
         await r.task
@@ -194,9 +201,7 @@ def test_fleet_status_is_one_typed_model_that_monitoring_reads(fleet):
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
 
     run(scenario())
     st = c.status()
@@ -246,9 +251,7 @@ def test_dead_engine_restarts_in_place_and_lost_supervisor_is_placed_again(fleet
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
         r.ray.alive, r.ray.returncode = False, -9
         await c._probe(r)
         await settle(r)
@@ -270,9 +273,7 @@ def test_fenced_card_drains_and_places_the_replica_on_another_card(fleet):
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
         assert c.fence(("h1", CARDS[0]), "ops: mes_timeout") == ["tiny-0"]
         assert r.lc.state == DRAINING or r.task is not None
         await settle(r)
@@ -305,9 +306,7 @@ def test_rolling_restart_stops_and_starts_each_ready_replica(fleet):
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
 
         async def prober():  # the monitor's job while the restart waits for ready
             while True:
@@ -388,9 +387,7 @@ def test_item13_a_ready_replica_answering_html_on_metrics_does_not_break_the_pro
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
         c.probe.text = "<html><body>502 Bad Gateway</body></html>"
         await c._probe(r)
 
@@ -579,9 +576,7 @@ def test_status_carries_each_replicas_engine_load_with_its_age(fleet):
     c, r = fleet
 
     async def scenario():
-        await c._launch(r)
-        c.probe.text = metrics_text(c.plan_.onepage, "onepage")
-        await c._probe(r)
+        await launched_ready(c, r)
 
     run(scenario())
     assert c.status().replicas[0].engine_load is None   # no load read yet
