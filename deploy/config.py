@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       field_validator, model_validator)
 
 from r9k import capacity
-from r9k.config_errors import decode_config_text, parse_yaml_model
+from r9k.config_errors import decode_config_text, parse_yaml_model, read_config_bytes
 from r9k.http_client import is_loopback
 from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR
 
@@ -427,7 +427,7 @@ def check_model_paths(cfg: FleetConfig, source: str = "<fleet file>") -> None:
 def load_fleet(path: str | os.PathLike) -> FleetConfig:
     path = Path(path)
     try:
-        text = decode_config_text(path.read_bytes(), path)
+        text = decode_config_text(read_config_bytes(path), path)
     except FileNotFoundError:
         raise FleetConfigError(f"{path}: fleet file not found (expected YAML, see deploy/README.md)") from None
     except IsADirectoryError:

@@ -29,7 +29,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import BaseModel, ConfigDict, Field
 
-from r9k.config_errors import decode_config_text, parse_yaml_model
+from r9k.config_errors import decode_config_text, parse_yaml_model, read_config_bytes
 
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
 CONNECTION_TIMEOUT_S = 10.0  # a client that connects and says nothing holds one thread this long
@@ -59,7 +59,7 @@ def load_web_config(path: str | os.PathLike) -> tuple[WebConfig, ssl.SSLContext 
     """The parsed file and its TLS context (certificates loaded now, so a bad file stops start-up)."""
     path = Path(path)
     try:
-        text = decode_config_text(path.read_bytes(), path)
+        text = decode_config_text(read_config_bytes(path), path)
     except OSError as exc:
         raise WebConfigError(f"{path}: cannot read the web config file ({exc.strerror})") from None
     except ValueError as exc:

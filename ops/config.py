@@ -15,7 +15,7 @@ from typing import Literal, Union
 from pydantic import (Field, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator)
 
-from r9k.config_errors import decode_config_text, parse_yaml_model
+from r9k.config_errors import decode_config_text, parse_yaml_model, read_config_bytes
 from r9k.ops.state import BDF_RE, DEFAULT_FAULT_EVENTS, EVENT_TYPES
 
 DEFAULT_CONFIG_PATH = "/etc/r9k/ops.yaml"
@@ -154,12 +154,14 @@ def parse_config(text: str, source: str = "<config>") -> OpsConfig:
 def load_config(path: str | os.PathLike) -> OpsConfig:
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_config_bytes(path)
         st = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found (expected YAML, see ops/README.md)") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         text = decode_config_text(raw, path)
     except ValueError as exc:

@@ -5,6 +5,8 @@ loader (`parse_yaml_model`) that the fleet file, the ops config and the exporter
 share."""
 from __future__ import annotations
 
+import os
+import stat
 from typing import Callable, Iterable, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -71,6 +73,39 @@ class YamlKeyError(ValueError):
 
 class DuplicateKeyError(YamlKeyError):
     """A mapping in a YAML file names one key twice (PyYAML would keep the last silently)."""
+
+
+# A config file is a few KiB; anything near this is a wrong path (a log, a device, a dump).
+CONFIG_MAX_BYTES = 1 << 20
+
+
+def read_config_bytes(path, max_bytes: int = CONFIG_MAX_BYTES) -> bytes:
+    """A config file's bytes, read without blocking or growing without bound: a FIFO, a device
+    (`/dev/zero`), a socket or a directory is refused (ValueError naming the path and what it is),
+    and so is a file over `max_bytes`. OSError (not found, permission) passes to the caller. The
+    open does not block on a FIFO (O_NONBLOCK) and the type is checked on the opened file, so a
+    path swapped between check and read cannot slip through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise ValueError(f"{path}: is {kind}; expected a regular file (YAML)")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 16, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise ValueError(f"{path}: larger than {max_bytes} bytes; expected a config file "
+                             "(a few KiB of YAML)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def decode_config_text(raw: bytes, path) -> str:

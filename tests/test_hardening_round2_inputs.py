@@ -52,7 +52,7 @@ def test_a_fleet_file_that_is_not_utf8_or_is_a_directory_is_bad_input(tmp_path):
     assert result.exit_code == 2
     assert "not UTF-8 text (byte 0xe9 at offset 17)" in _one_line_error(result)
     result = _r9k("fleet", "check", "--config", str(tmp_path))
-    assert result.exit_code == 2 and "is a directory; expected a fleet file" in _one_line_error(result)
+    assert result.exit_code == 2 and "is a directory; expected a regular file" in _one_line_error(result)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
