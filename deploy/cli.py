@@ -345,7 +345,7 @@ def entry_cmd(config: str, controller_url: str, listen: str | None, port: int | 
     (any host may run one; the last state is served `entry.state_stale_s` while the
     controller is away)."""
     from r9k.deploy.config import FleetConfigError
-    from r9k.deploy.entry import EntryPoint, serve
+    from r9k.deploy.entry import EntryPoint, entry_limits, serve
     from r9k.deploy.remote_entry import RemoteBackend
     from r9k.http_client import is_loopback
 
@@ -376,7 +376,7 @@ def entry_cmd(config: str, controller_url: str, listen: str | None, port: int | 
         if backend.last is None:
             click.echo(f"warning: the controller at {controller_url} does not answer yet "
                        f"({backend.last_error}); serving 503 until it does", err=True)
-        runner = await serve(entry, host, port)
+        runner = await serve(entry, host, port, **entry_limits(cfg.entry))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

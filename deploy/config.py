@@ -195,6 +195,11 @@ class EntrySpec(_Strict):
     # An entry point on another host (`r9k fleet entry`) serves the controller's last routing
     # state this long while the controller does not answer, then answers 503.
     state_stale_s: float = Field(default=60.0, gt=0)
+    # Client connections: one address cannot hold more than max_connections_per_peer; when all
+    # max_connections are taken, a new one takes the slot of an idle (or head-arriving) one.
+    max_connections: StrictInt = Field(default=1024, ge=1)
+    max_connections_per_peer: StrictInt = Field(default=256, ge=1)
+    header_timeout_s: float = Field(default=10.0, gt=0)   # a request head, from its first byte
 
     @property
     def loopback(self) -> bool:

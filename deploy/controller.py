@@ -23,7 +23,7 @@ from r9k.deploy.adoption import SUPERVISOR_TIMEOUT_S, adoptable
 from r9k.deploy.config import FleetConfig, HostSpec, ModelSpec, planned_pool
 from r9k.deploy.engine import launch_spec, prove_pages, rccl_env
 from r9k.deploy.exporter_sidecar import ExporterSidecar
-from r9k.deploy.entry import Backend, EntryPoint, Route, serve
+from r9k.deploy.entry import Backend, EntryPoint, Route, entry_limits, serve
 from r9k.deploy.routing import EngineLoad
 from r9k.deploy.lifecycle import (DRAINING, LOADING, PROBED_STATES, READY, STOPPED, Action, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
@@ -183,7 +183,8 @@ class FleetController(Backend):
             except asyncio.TimeoutError:
                 log.warning("adopted replicas not all proven within %.0f s; the monitor goes on",
                             ADOPT_PROBE_TIMEOUT_S)
-        self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port)
+        self.runner = await serve(self.entry, self.cfg.entry.host, self.cfg.entry.port,
+                                  **entry_limits(self.cfg.entry))
         for name, r in self.replicas.items():
             if name not in adopted:
                 self._spawn(r, self._launch(r))

@@ -93,43 +93,117 @@ class Backend(Protocol):
 
 
 MAX_JSON_DEPTH = 64
+MAX_BODY_BYTES = 64 << 20      # 413 above
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+class JsonDepth:
+    """Nesting depth of a JSON text fed in pieces, as bytes arrive: brackets outside strings,
+    bounded at MAX_JSON_DEPTH before the recursive parser ever sees the text (it would recurse
+    until RecursionError, a 500). Only quotes, backslashes and brackets matter, so each piece is
+    first cut down to those at C speed (`bytes.translate`)."""
+
+    _DELETE = bytes(b for b in range(256) if b not in b'"\\[]{}')
+
+    def __init__(self) -> None:
+        self.depth = self.deepest = 0
+        self.in_string = self.escaped = False
+
+    def feed(self, piece: bytes) -> None:
+        depth, deepest = self.depth, self.deepest
+        in_string, escaped = self.in_string, self.escaped
+        for ch in piece.translate(None, self._DELETE):
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == 0x5C:     # backslash
+                    escaped = True
+                elif ch == 0x22:     # quote
+                    in_string = False
+            elif escaped:            # an escape's letter was cut away: the backslash stood alone
+                escaped = False
+            elif ch == 0x22:
+                in_string = True
+            elif ch in (0x5B, 0x7B):
+                depth += 1
+                if depth > deepest:
+                    deepest = depth
+                    if deepest > MAX_JSON_DEPTH:
+                        raise ValueError("nested too deep")
+            elif ch in (0x5D, 0x7D):
+                depth -= 1
+        self.depth, self.deepest, self.in_string, self.escaped = depth, deepest, in_string, escaped
+
+
+def _json_object(body: bytes, checked: bool = False) -> dict[str, Any]:
     """A request body as a JSON object; ValueError for anything else: not UTF-8, not JSON, not
-    an object, or nested deeper than MAX_JSON_DEPTH (Python's parser would recurse until
-    RecursionError, a 500)."""
+    an object, or nested deeper than MAX_JSON_DEPTH (`checked`: JsonDepth has seen it already)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError("not UTF-8") from exc
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:  # brackets outside strings: bounded before the recursive parser runs
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > MAX_JSON_DEPTH:
-                raise ValueError("nested too deep")
-        elif ch in "]}":
-            depth -= 1
+    if not checked:
+        JsonDepth().feed(body)
     doc = json.loads(text)
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     return doc
 
 
+class BodyTooLarge(ValueError):
+    pass
+
+
+BODY_PIECE_BYTES = 256 << 10
+
+
+async def _read_body(request: web.Request, depth: JsonDepth) -> bytes:
+    """The request body, read in pieces with the event loop free between them (a 60 MiB body
+    once held every other client for seconds while it was scanned in one go); each piece is
+    depth-checked as it arrives. BodyTooLarge over MAX_BODY_BYTES, ValueError too deep."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"{request.content_length} bytes")
+    pieces, size = [], 0
+    async for piece in request.content.iter_chunked(BODY_PIECE_BYTES):
+        size += len(piece)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"over {MAX_BODY_BYTES} bytes")
+        depth.feed(piece)
+        pieces.append(piece)
+        await asyncio.sleep(0)
+    return b"".join(pieces)
+
+
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _too_large(exc: BodyTooLarge) -> web.Response:
+    response = _error(413, f"request body too large ({exc}); expected at most {MAX_BODY_BYTES} "
+                      "bytes", "RequestEntityTooLarge")
+    response.force_close()  # the rest of the body is not read: the connection cannot carry another
+    return response
+
+
+class _ConnectionCollector:
+    """The connection guard's counts: open connections and why connections were closed."""
+
+    def __init__(self, entry: "EntryPoint") -> None:
+        self.entry = entry
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        site = self.entry.site
+        closed = CounterMetricFamily(
+            "r9k_entry_connections_closed", "Connections the entry point closed: refused_peer (the "
+            "address had its limit), refused_full (every slot inside a request), evicted (an idle "
+            "or head-arriving connection gave its slot to a new one), header_timeout",
+            labels=["reason"])
+        for reason in CLOSE_REASONS:
+            closed.add_metric([reason], site.closed[reason] if site else 0)
+        yield closed
+        yield GaugeMetricFamily("r9k_entry_open_connections", "Client connections open now",
+                                value=site.open_connections if site else 0)
 
 
 class EntryPoint:
@@ -165,8 +239,10 @@ class EntryPoint:
                               ["replica"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        self.registry.register(_ConnectionCollector(self))
         self.session: aiohttp.ClientSession | None = None
-        self.app = web.Application(client_max_size=64 << 20)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_request_slots])
+        self.site: "_GuardedSite | None" = None  # set by serve(): its connection counts
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/metrics", self.metrics)
@@ -223,12 +299,15 @@ class EntryPoint:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
         try:
-            raw = (await asyncio.wait_for(request.read(), self.body_timeout_s)
+            depth = JsonDepth()
+            raw = (await asyncio.wait_for(_read_body(request, depth), self.body_timeout_s)
                    if request.can_read_body else b"{}")
-            body = _json_object(raw)
+            body = _json_object(raw, checked=True)
         except asyncio.TimeoutError:
             return _error(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                           "RequestTimeout")
+        except BodyTooLarge as exc:
+            return _too_large(exc)
         except ValueError:
             return _error(400, "expected a JSON object (UTF-8, at most 64 levels deep)", "BadRequest")
         status, payload = await self.backend.admin(request.match_info["action"], body)
@@ -242,13 +321,20 @@ class EntryPoint:
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "Unauthorized")
+        depth = JsonDepth()
         try:
-            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            body = await asyncio.wait_for(_read_body(request, depth), self.body_timeout_s)
         except asyncio.TimeoutError:
             return _error(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                           "RequestTimeout")
+        except BodyTooLarge as exc:
+            return _too_large(exc)
+        except ValueError:
+            body = None
         try:
-            doc = _json_object(body)
+            if body is None:
+                raise ValueError("nested too deep")
+            doc = _json_object(body, checked=True)
             model = doc.get("model")
         except ValueError:
             return _error(400, "expected a JSON object with a `model` field (UTF-8, at most 64 "
@@ -392,80 +478,191 @@ def _outcome(response: web.StreamResponse) -> str:
     return "rejected" if response.status < 500 else "errored"
 
 
-# Slow or idle clients must not starve normal ones: each request's headers arrive (from its
-# first byte on a kept-alive connection) within HEADER_TIMEOUT_S, a body within BODY_TIMEOUT_S (408), at most MAX_CONNECTIONS
-# connections are open (more are closed at once), idle keep-alive connections close after
-# KEEPALIVE_S; bodies over 64 MiB get 413 (client_max_size).
+# Slow, idle or greedy clients must not starve normal ones (one client holding every slot once
+# locked everyone out):
+# - every request's head (from its first byte, leading blank lines included, pipelined or not)
+#   arrives within HEADER_TIMEOUT_S; a body within BODY_TIMEOUT_S (408); bodies over 64 MiB: 413;
+# - at most MAX_CONNECTIONS are open, at most MAX_CONNECTIONS_PER_PEER from one address;
+# - when every slot is taken, a new connection takes the slot of a connection that is not in a
+#   request (idle keep-alive, or a head still arriving), from the address holding the most
+#   connections, oldest first: under pressure an idle keep-alive lasts only until its slot is
+#   needed. A connection is refused only when every slot is inside a request.
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_PEER = 256
 KEEPALIVE_S = 75.0
+CLOSE_REASONS = ("refused_peer", "refused_full", "evicted", "header_timeout")
+MAX_HEAD_BYTES = 64 << 10  # aiohttp refuses longer lines; the framer only needs the tail
 
 
-class _AnsweredTransport:
-    """The connection's transport as aiohttp sees it: notes that a response went out (not a
-    `100 Continue`), so the next bytes on a kept-alive connection start a new request."""
+class HttpFraming:
+    """Where a connection's inbound bytes stand in HTTP/1.1 framing, as the guard needs it:
+    between requests (``idle``), inside a request head (``in_head``: the header deadline runs),
+    or inside a body (Content-Length or chunked). Sans-IO: ``feed`` the bytes in the order they
+    arrive, in any pieces; ``heads`` counts the heads completed. It follows aiohttp's framing for
+    well-formed requests; a malformed one gets aiohttp's 400 and the connection closes."""
+
+    def __init__(self) -> None:
+        self.state = "idle"   # idle | head | body | chunk-size | chunk-data | chunk-end | trailers
+        self.heads = 0
+        self._buf = b""       # head / chunk-size line / trailer bytes not yet complete
+        self._left = 0        # body or chunk bytes still to come
+
+    @property
+    def in_head(self) -> bool:
+        return self.state == "head"
+
+    @property
+    def idle(self) -> bool:
+        return self.state == "idle"
+
+    def feed(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        while i < n:
+            if self.state == "idle":
+                self.state, self._buf = "head", b""
+            if self.state == "head":
+                # leading CRLFs before a request line are skipped by the parser (RFC 9112 2.2)
+                # but keep the connection in a head: its deadline runs from the first byte
+                self._buf += data[i:]
+                i = n
+                body = self._buf.lstrip(b"\r\n")
+                end = body.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buf) > MAX_HEAD_BYTES:
+                        self._buf = self._buf[-MAX_HEAD_BYTES:]
+                    break
+                head, rest = body[:end], body[end + 4:]
+                self.heads += 1
+                self._buf = b""
+                self._start_body(head)
+                data, i, n = rest, 0, len(rest)
+            elif self.state == "body":
+                take = min(self._left, n - i)
+                self._left -= take
+                i += take
+                if self._left == 0:
+                    self.state = "idle"
+            elif self.state == "chunk-data":
+                take = min(self._left, n - i)
+                self._left -= take
+                i += take
+                if self._left == 0:
+                    self.state, self._buf = "chunk-end", b""
+            else:  # a line: chunk size, the CRLF after a chunk's data, or a trailer
+                j = data.find(b"\n", i)
+                if j < 0:
+                    self._buf = (self._buf + data[i:])[-MAX_HEAD_BYTES:]
+                    break
+                line = (self._buf + data[i:j]).rstrip(b"\r")
+                self._buf, i = b"", j + 1
+                self._line(line)
+
+    def _start_body(self, head: bytes) -> None:
+        length, chunked = 0, False
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == b"content-length" and value.isdigit():
+                length = int(value)
+            elif name == b"transfer-encoding" and value.split(b",")[-1].strip() == b"chunked":
+                chunked = True
+        if chunked:
+            self.state = "chunk-size"
+        elif length > 0:
+            self.state, self._left = "body", length
+        else:
+            self.state = "idle"
+
+    def _line(self, line: bytes) -> None:
+        if self.state == "chunk-size":
+            size = line.split(b";", 1)[0].strip()
+            try:
+                self._left = int(size, 16)
+            except ValueError:  # malformed: aiohttp answers 400 and closes
+                self._left = 0
+            self.state = "chunk-data" if self._left > 0 else "trailers"
+        elif self.state == "chunk-end":
+            self.state = "chunk-size"
+        elif self.state == "trailers" and line == b"":
+            self.state = "idle"
+
+
+class _PeerTransport:
+    """The connection's transport as aiohttp sees it, pointing back at the guard (the request
+    middleware finds its connection through ``request.transport``)."""
 
     def __init__(self, transport: asyncio.Transport, conn: "_GuardedConnection") -> None:
-        self._transport, self._conn = transport, conn
-
-    def write(self, data) -> None:
-        if not bytes(data[:12]).startswith(b"HTTP/1.1 100"):
-            self._conn.answered = True
-        self._transport.write(data)
-
-    def writelines(self, chunks) -> None:
-        for chunk in chunks:
-            self.write(chunk)
+        self._transport, self.r9k_conn = transport, conn
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
 
 
 class _GuardedConnection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, behind a connection count and a header deadline
-    for every request on it (the first, and each one a kept-alive connection carries next)."""
+    """aiohttp's protocol for one connection, behind the site's slot accounting and a header
+    deadline for every request head on it."""
 
     def __init__(self, inner: asyncio.Protocol, site: "_GuardedSite") -> None:
         self.inner, self.site = inner, site
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self.tail = b""
+        self.framing = HttpFraming()
         self.counted = False
-        self.answered = False  # a response went out since the last request's headers
+        self.in_requests = 0    # heads complete whose handler has not finished
+        self.peer = ""
+        self.since = 0.0        # monotonic: opened, or last became evictable
+
+    @property
+    def evictable(self) -> bool:
+        """Not inside a request: idle between requests, or its head still arriving."""
+        return self.in_requests == 0 and (self.framing.idle or self.framing.in_head)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if self.site.open_connections >= self.site.max_connections:
-            self.site.refused += 1
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if not self.site.admit(self):
             transport.close()
             return
-        self.site.open_connections += 1
         self.counted = True
-        self._arm()
-        self.inner.connection_made(_AnsweredTransport(transport, self))
-
-    def _arm(self) -> None:
-        self.timer = asyncio.get_running_loop().call_later(self.site.header_timeout_s, self._too_slow)
+        self.since = time.monotonic()
+        self.inner.connection_made(_PeerTransport(transport, self))
 
     def _too_slow(self) -> None:
-        self.site.timed_out += 1
+        self.timer = None
+        self.site.closed["header_timeout"] += 1
+        self.close()
+
+    def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if not self.counted:
             return
-        if self.timer is None and self.answered:  # the next request on a kept-alive connection
-            self.answered, self.tail = False, b""
-            self._arm()
-        if self.timer is not None:
-            seen = self.tail + data
-            if b"\r\n\r\n" in seen:  # the headers are complete: the body has its own deadline
-                self.timer.cancel()
-                self.timer = None
-            self.tail = seen[-3:]
+        heads = self.framing.heads
+        self.framing.feed(data)
+        self.in_requests += self.framing.heads - heads
+        self._deadline()
         self.inner.data_received(data)
+
+    def _deadline(self) -> None:
+        """The header deadline runs while a head is arriving (from its first byte), and only
+        then: it starts with the head, so a head cannot restart it by arriving in pieces."""
+        if self.framing.in_head:
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(self.site.header_timeout_s,
+                                                                   self._too_slow)
+        elif self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def request_done(self) -> None:
+        self.in_requests = max(0, self.in_requests - 1)
+        if self.evictable:
+            self.since = time.monotonic()
 
     def eof_received(self):
         return self.inner.eof_received() if self.counted else None
@@ -479,18 +676,80 @@ class _GuardedConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None
         if self.counted:
             self.counted = False
-            self.site.open_connections -= 1
+            self.site.release(self)
             self.inner.connection_lost(exc)
+
+
+@web.middleware
+async def _request_slots(request: web.Request, handler):
+    """Tells the connection guard when a request's handler is done (the connection is between
+    requests again, so its slot may be taken under pressure)."""
+    conn = getattr(request.transport, "r9k_conn", None)
+    try:
+        return await handler(request)
+    finally:
+        if conn is not None:
+            conn.request_done()
 
 
 class _GuardedSite(web.TCPSite):
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, max_connections: int,
-                 header_timeout_s: float) -> None:
+                 max_per_peer: int, header_timeout_s: float) -> None:
         super().__init__(runner, host, port)
-        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
-        self.open_connections = self.refused = self.timed_out = 0
+        if max_connections < 1 or max_per_peer < 1 or not header_timeout_s > 0:
+            raise ValueError(f"entry connection limits {max_connections} / {max_per_peer} per peer, "
+                             f"header timeout {header_timeout_s!r}: expected >= 1, >= 1 and > 0 s")
+        self.max_connections, self.max_per_peer = max_connections, max_per_peer
+        self.header_timeout_s = header_timeout_s
+        self.peers: dict[str, set[_GuardedConnection]] = {}
+        self.open_connections = 0
+        self.closed = dict.fromkeys(CLOSE_REASONS, 0)
+
+    def admit(self, conn: _GuardedConnection) -> bool:
+        """Whether a new connection gets a slot, taking one from an evictable connection of the
+        address holding the most when every slot is taken."""
+        mine = self.peers.get(conn.peer, set())
+        if len(mine) >= self.max_per_peer:
+            self.closed["refused_peer"] += 1
+            return False
+        if self.open_connections >= self.max_connections:
+            victim = self._victim()
+            if victim is None:
+                self.closed["refused_full"] += 1
+                return False
+            self.closed["evicted"] += 1
+            self.release(victim)   # its slot is the new one's now, whenever its close completes
+            victim.close()
+        self.peers.setdefault(conn.peer, set()).add(conn)
+        self.open_connections += 1
+        return True
+
+    def _victim(self) -> "_GuardedConnection | None":
+        for _, conns in sorted(self.peers.items(), key=lambda kv: -len(kv[1])):
+            idle = [c for c in conns if c.evictable]
+            if idle:
+                return min(idle, key=lambda c: c.since)
+        return None
+
+    def release(self, conn: _GuardedConnection) -> None:
+        conns = self.peers.get(conn.peer)
+        if conns is None or conn not in conns:
+            return  # released already (evicted)
+        conns.discard(conn)
+        if not conns:
+            del self.peers[conn.peer]
+        self.open_connections -= 1
+
+    @property
+    def refused(self) -> int:
+        return self.closed["refused_peer"] + self.closed["refused_full"]
+
+    @property
+    def timed_out(self) -> int:
+        return self.closed["header_timeout"]
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -501,10 +760,19 @@ class _GuardedSite(web.TCPSite):
             reuse_address=True, backlog=self._backlog)
 
 
+def entry_limits(spec) -> dict[str, Any]:
+    """serve()'s connection limits from the fleet file's `entry` section."""
+    return {"max_connections": spec.max_connections, "max_per_peer": spec.max_connections_per_peer,
+            "header_timeout_s": spec.header_timeout_s}
+
+
 async def serve(entry: EntryPoint, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+                max_per_peer: int = MAX_CONNECTIONS_PER_PEER,
                 header_timeout_s: float = HEADER_TIMEOUT_S) -> web.AppRunner:
     runner = web.AppRunner(entry.app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
-    await _GuardedSite(runner, host, port, max_connections=max_connections,
-                       header_timeout_s=header_timeout_s).start()
+    site = _GuardedSite(runner, host, port, max_connections=max_connections,
+                        max_per_peer=max_per_peer, header_timeout_s=header_timeout_s)
+    entry.site = site
+    await site.start()
     return runner
