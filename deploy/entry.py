@@ -99,39 +99,38 @@ MAX_BODY_BYTES = 64 << 20      # 413 above
 class JsonDepth:
     """Nesting depth of a JSON text fed in pieces, as bytes arrive: brackets outside strings,
     bounded at MAX_JSON_DEPTH before the recursive parser ever sees the text (it would recurse
-    until RecursionError, a 500). Only quotes, backslashes and brackets matter, so each piece is
-    first cut down to those at C speed (`bytes.translate`)."""
+    until RecursionError, a 500). Escaped backslashes and quotes are cut first (`\\` then `\"`,
+    left to right as a string reads them; an odd backslash at a piece's end waits for the next),
+    then everything but quotes and brackets, all at C speed: the loop sees only those."""
 
-    _DELETE = bytes(b for b in range(256) if b not in b'"\\[]{}')
+    _DELETE = bytes(b for b in range(256) if b not in b'"[]{}')
 
     def __init__(self) -> None:
         self.depth = self.deepest = 0
-        self.in_string = self.escaped = False
+        self.in_string = False
+        self._carry = b""
 
     def feed(self, piece: bytes) -> None:
-        depth, deepest = self.depth, self.deepest
-        in_string, escaped = self.in_string, self.escaped
+        piece, self._carry = self._carry + piece, b""
+        run = len(piece) - len(piece.rstrip(b"\\"))
+        if run % 2:
+            piece, self._carry = piece[:-1], b"\\"
+        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        depth, deepest, in_string = self.depth, self.deepest, self.in_string
         for ch in piece.translate(None, self._DELETE):
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif ch == 0x5C:     # backslash
-                    escaped = True
-                elif ch == 0x22:     # quote
-                    in_string = False
-            elif escaped:            # an escape's letter was cut away: the backslash stood alone
-                escaped = False
-            elif ch == 0x22:
-                in_string = True
+            if ch == 0x22:           # quote
+                in_string = not in_string
+            elif in_string:
+                continue
             elif ch in (0x5B, 0x7B):
                 depth += 1
                 if depth > deepest:
                     deepest = depth
                     if deepest > MAX_JSON_DEPTH:
                         raise ValueError("nested too deep")
-            elif ch in (0x5D, 0x7D):
+            else:
                 depth -= 1
-        self.depth, self.deepest, self.in_string, self.escaped = depth, deepest, in_string, escaped
+        self.depth, self.deepest, self.in_string = depth, deepest, in_string
 
 
 def _json_object(body: bytes, checked: bool = False) -> dict[str, Any]:
