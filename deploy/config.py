@@ -6,6 +6,9 @@ Checks that need the host inventory (cards that exist, TP that fits one host) ar
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import os
 import shlex
 from pathlib import Path
@@ -26,16 +29,25 @@ HOST_LABEL = "r9k.host"          # Ray node label naming the host in the fleet f
 # 4-card TP can hang the host through PCIe peer-to-peer (the reported workaround disables it).
 RCCL_DEFAULTS: dict[str, str] = {"NCCL_PROTO": "Simple"}
 RCCL_TP4_DEFAULTS: dict[str, str] = {"NCCL_P2P_DISABLE": "1"}
-# vLLM flags the fleet sets itself from typed fields; in extra_args they would contradict them.
-_OWNED_FLAGS = ("--host", "--port", "--tensor-parallel-size", "-tp", "--served-model-name",
-                "--speculative-config", "--max-model-len", "--kv-cache-memory-bytes", "--api-key",
-                "--enable-prefix-caching", "--no-enable-prefix-caching")
 # R9K_* is not among the prefixes vLLM's Ray executor copies to its workers.
 RAY_EXTRA_COPY = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 # Environment the fleet sets itself (card placement, page mode, what Ray copies); in `env` they
 # would override it.
 _OWNED_ENV = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
               "GPU_DEVICE_ORDINAL", "VLLM_CPU_OMP_THREADS_BIND", "R9K_GDN_STATE", RAY_EXTRA_COPY)
+
+
+# What vLLM's own parser must leave as the fleet sets it: the fleet's typed fields, the socket
+# it probes, and the cards it placed (a data- or pipeline-parallel replica takes cards no one
+# placed). Compared by value after vLLM parses extra_args, so its abbreviations (`--hos`,
+# allow_abbrev), underscores and `=` forms cannot slip past a list of spellings.
+_OWNED_DESTS = {"model": "the model's path", "host": "replica_bind", "port": "replica_ports",
+                "uds": "the replica's port", "served_model_name": "the model's name",
+                "tensor_parallel_size": "tp", "data_parallel_size": "tp (one replica per placement)",
+                "pipeline_parallel_size": "tp (one replica per placement)",
+                "speculative_config": "speculative", "max_model_len": "max_model_len",
+                "kv_cache_memory_bytes": "kv_cache_memory_bytes", "api_key": "the fleet's replica key",
+                "enable_prefix_caching": "prefix_caching"}
 
 
 class FleetConfigError(ValueError):
@@ -89,16 +101,6 @@ class ModelSpec(_Strict):
             raise ValueError("expected a count >= 1 or \"planner\"")
         return value
 
-    @field_validator("extra_args")
-    @classmethod
-    def _extra(cls, args: list[str]) -> list[str]:
-        for arg in split_args(args):  # as the replica is launched: "--host 0.0.0.0" is two words
-            flag = flag_name(arg)
-            if flag in _OWNED_FLAGS:
-                raise ValueError(f"{flag} is set by the fleet from the model's typed fields "
-                                 f"(prefix caching: `prefix_caching: false`); remove it from extra_args")
-        return args
-
     @field_validator("env")
     @classmethod
     def _env(cls, env: dict[str, str]) -> dict[str, str]:
@@ -114,10 +116,6 @@ class ModelSpec(_Strict):
         if per is not None and len(per) != self.replicas:
             raise ValueError(f"gdn_state_per_replica lists {len(per)} page modes for "
                              f"{self.replicas} replicas; expected one per replica")
-        if self.max_num_seqs is not None and any(
-                flag_name(a) == "--max-num-seqs" for a in split_args(self.extra_args)):
-            raise ValueError("max_num_seqs is given twice: as the field and as --max-num-seqs in "
-                             "extra_args; keep one")
         if "onepage" in (per or [self.gdn_state]) and self.speculative is None:
             raise ValueError("gdn_state onepage needs speculative decoding (speculative: {method, k}); "
                              "without it one page is all stock keeps, use gdn_state: stock")
@@ -322,6 +320,10 @@ def parse_fleet(text: str, source: str = "<fleet file>", base_dir: Path | None =
 
 
 def _check_consistency(cfg: FleetConfig, source: str) -> None:
+    for i, m in enumerate(cfg.models):
+        problem = vllm_owned_problem(m)
+        if problem:
+            raise FleetConfigError(f"{source}: models.{i}.{problem}")
     names = [m.name for m in cfg.models]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -444,6 +446,69 @@ def load_fleet(path: str | os.PathLike) -> FleetConfig:
     cfg = parse_fleet(text, str(path), base_dir=path.resolve().parent)
     check_model_paths(cfg, str(path))
     return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_parser():
+    """vLLM's api_server parser, built as its main() builds it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm api_server"))
+
+
+def _vllm_parse(args: list[str]):
+    """The namespace vLLM's parser makes of ``args``; ValueError with its message if it refuses
+    them (it would exit the replica at start)."""
+    parser = _vllm_parser()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parser.parse_args(args)
+    except SystemExit:
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+        raise ValueError(lines[-1] if lines else "refused by vLLM's parser") from None
+
+
+def vllm_owned_problem(model: "ModelSpec") -> str | None:
+    """Why ``model.extra_args``, read by vLLM's own parser, would change a setting the fleet owns
+    (or cannot be read by it at all), or None. Fails closed: without vLLM, extra_args cannot be
+    proven harmless."""
+    extra = split_args(model.extra_args)
+    if not extra:
+        return None
+    try:
+        parser = _vllm_parser()
+    except Exception as exc:  # noqa: BLE001 - any import failure means: cannot check
+        return (f"extra_args cannot be checked without vLLM's parser ({type(exc).__name__}: {exc}); "
+                "expected vLLM installed where the fleet file is checked")
+    # Two fleet command lines with different values for every flag the fleet sets: extra_args
+    # that leave both unchanged cannot change the real one (`--port 8000`, vLLM's default,
+    # would still win over the fleet's port as the last flag given).
+    bases = [["--model", f"/r9k-{v}", "--host", f"r9k-{v}.invalid", "--port", str(n),
+              "--served-model-name", f"r9k-{v}", "--tensor-parallel-size", str(n + 2),
+              "--max-model-len", str(1000 + n), "--kv-cache-memory-bytes", str(1000 + n),
+              "--api-key", f"r9k-{v}", "--max-num-seqs", str(1000 + n),
+              "--mamba-ssm-cache-dtype", dtype]
+             for v, n, dtype in (("a", 1, "float32"), ("b", 2, "bfloat16"))]
+    try:
+        pairs = [(_vllm_parse(base), _vllm_parse(base + extra)) for base in bases]
+    except ValueError as exc:
+        return f"extra_args {extra}: vLLM's parser refuses them: {exc}"
+    owned = dict(_OWNED_DESTS)
+    if model.max_num_seqs is not None:
+        owned["max_num_seqs"] = "max_num_seqs"
+    if model.state_dtype is not None:
+        owned["mamba_ssm_cache_dtype"] = "state_dtype"
+    for dest, field in owned.items():
+        if any(getattr(before, dest, None) != getattr(after, dest, None) for before, after in pairs):
+            words = [w for w in extra if w.startswith("-") and any(
+                o.startswith(flag_name(w)) for o in parser._option_string_actions  # noqa: SLF001
+                if parser._option_string_actions[o].dest == dest)]  # noqa: SLF001
+            return (f"extra_args: {' '.join(words) or extra} set vLLM's {dest} (vLLM reads unique "
+                    f"prefixes and underscores as the full flag), which the fleet sets from "
+                    f"{field}; remove it from extra_args (keep one: the field)")
+    return None
 
 
 def flag_name(arg: str) -> str:

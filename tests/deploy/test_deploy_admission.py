@@ -77,7 +77,7 @@ def test_bad_values_are_refused_naming_the_field(value, needle):
                                    ["--seed 0 --max-num-seqs 8"], ["--max_num_seqs", "8"]])
 def test_the_field_and_the_flag_together_are_refused(extra):
     msg = refused(fleet_text(models=[dict(MODEL, max_num_seqs="planner", extra_args=extra)]))
-    assert "max_num_seqs is given twice" in msg
+    assert "set vLLM's max_num_seqs" in msg
 
 
 def test_a_pool_without_one_whole_request_is_refused_at_load(tmp_path):

@@ -50,7 +50,7 @@ def test_defaults_are_onepage_mtp_loopback_and_r9700():
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "speculative": None}],
      "gdn_state onepage needs speculative decoding"),
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "extra_args": ["--enable-prefix-caching"]}],
-     "--enable-prefix-caching is set by the fleet"),
+     "set vLLM's enable_prefix_caching"),
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30, "replica": 2}], "models.0.replica: unknown field"),
     ([{"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}] * 2, "served name 'm' appears twice"),
 ])
