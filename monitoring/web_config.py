@@ -14,13 +14,15 @@ prometheus-client serves TLS itself but has no basic auth, so the WSGI app is se
 from __future__ import annotations
 
 import base64
-import binascii
+import hashlib
 import importlib.util
 import os
 import re
 import socket
 import ssl
 import threading
+import time
+from collections import deque
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Literal
@@ -117,74 +119,188 @@ def _tls_context(tls: TlsServerConfig | None, source: Path) -> ssl.SSLContext | 
     return ctx
 
 
-AUTH_CHECKS_AT_ONCE = 2        # bcrypt checks running at once; more wait this long, then 503
-AUTH_WAIT_S = 0.5
+AUTH_WORKERS = 2               # bcrypt checks running at once (each holds a core for its cost)
+AUTH_PENDING_PER_CLIENT = 2    # checks one client address may have queued or running; more: 429
+AUTH_PENDING_TOTAL = 1024      # checks queued in all; more: 503
+AUTH_WAIT_S = 8.0              # a check not started by then is dropped: 503 (under Prometheus' 10 s)
+AUTH_FAILURE_MEMORY_S = 300.0  # a client that failed within this long waits behind clients that did not
+AUTH_FAILED_CLIENTS_KEPT = 4096  # addresses remembered as failing (oldest forgotten first)
 AUTH_CACHE_SIZE = 64           # Authorization headers that passed, kept (as digests) to skip bcrypt
+AUTH_HEADER_MAX_BYTES = 4096   # longer is no credential we could hold: 401 without a check
+BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt's limit (bcrypt 5 raises past it; Go's bcrypt refuses it too)
+
+
+def parse_basic_credentials(header: str) -> tuple[str, bytes] | None:
+    """``Basic base64(user:password)`` (RFC 7617, UTF-8 user) as (user, password bytes); None for
+    anything else. WSGI hands headers over as Latin-1 text, so any byte string arrives here."""
+    if len(header) > AUTH_HEADER_MAX_BYTES:
+        return None
+    scheme, _, encoded = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        raw = base64.b64decode(encoded.strip(), validate=True)
+        user, sep, password = raw.partition(b":")
+        if not sep:
+            return None
+        return user.decode("utf-8"), password
+    except ValueError:  # binascii.Error, non-ASCII text, UnicodeDecodeError: all ValueErrors
+        return None
+
+
+class _Check:
+    __slots__ = ("client", "user", "password", "done", "ok")
+
+    def __init__(self, client: str, user: str, password: bytes) -> None:
+        self.client, self.user, self.password = client, user, password
+        self.done = threading.Event()
+        self.ok = False
 
 
 class BasicAuth:
-    """bcrypt basic auth that wrong guesses cannot use to starve real scrapes or to learn names:
-    at most AUTH_CHECKS_AT_ONCE checks run at once (the rest wait AUTH_WAIT_S, then 503); a header
-    that passed is remembered (its SHA-256), so the scraper does not queue behind guesses; an
-    unknown user costs a bcrypt check of the same cost as the known users' hashes."""
+    """bcrypt basic auth that wrong guesses cannot use to starve real scrapes or to learn names.
 
-    def __init__(self, users: dict[str, str]) -> None:
+    Checks run on AUTH_WORKERS threads, taken round-robin by client address, and clients that
+    failed lately wait behind those that did not: a flood of wrong passwords (from one address or
+    many) cannot hold the workers against a scraper, which has not failed. Each client has at
+    most AUTH_PENDING_PER_CLIENT checks waiting (more are 429 at once). A header that passed is
+    remembered (its SHA-256) and skips bcrypt. Every check costs the same bcrypt work, that of
+    the highest cost configured: an unknown user, a user with a cheaper hash (padded with dummy
+    checks of costs c .. max-1, which sum to 2^max - 2^c rounds) and an over-long password alike."""
+
+    def __init__(self, users: dict[str, str], workers: int = AUTH_WORKERS) -> None:
         import bcrypt
 
-        self.users = users
-        cost = max(int(h.split("$")[2]) for h in users.values())
-        self._dummy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(rounds=cost))
-        self._slots = threading.BoundedSemaphore(AUTH_CHECKS_AT_ONCE)
+        self.users = {user: hashed.encode() for user, hashed in users.items()}
+        costs = {user: int(hashed.split("$")[2]) for user, hashed in users.items()}
+        self.max_cost = max(costs.values())
+        needed = {self.max_cost} | {c for cost in costs.values() for c in range(cost, self.max_cost)}
+        # hashes of a random password nobody knows: a real check of that cost that fails
+        self._dummies = {c: bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(rounds=c)) for c in sorted(needed)}
+        self._costs = costs
         self._passed: dict[bytes, None] = {}
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Check]] = {}        # client -> its waiting checks
+        self._ready: dict[str, None] = {}                  # clients with checks waiting, in turn order
+        self._pending: dict[str, int] = {}                 # client -> checks waiting or running
+        self._failed_at: dict[str, float] = {}             # client -> when it last failed
+        self._total = 0
+        for index in range(workers):
+            threading.Thread(target=self._work, name=f"r9k-exporter-auth-{index}", daemon=True).start()
 
-    def check(self, header: str) -> bool | None:
-        """True (pass), False (401), None (too many checks at once: 503)."""
-        import hashlib
-
-        import bcrypt
-
-        digest = hashlib.sha256(header.encode(errors="surrogateescape")).digest()
-        with self._lock:
+    def check(self, header: str, client: str = "") -> bool | None | str:
+        """True (pass), False (401), "busy" for this client (429), None when no worker took the
+        check in time (503)."""
+        digest = hashlib.sha256(header.encode("utf-8", "surrogateescape")).digest()
+        with self._cond:
             if digest in self._passed:
                 return True
-        scheme, _, encoded = header.partition(" ")
-        if scheme.lower() != "basic":
+        credentials = parse_basic_credentials(header)
+        if credentials is None:
             return False
-        try:
-            user, sep, password = base64.b64decode(encoded, validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        hashed = self.users.get(user)
-        if not self._slots.acquire(timeout=AUTH_WAIT_S):
-            return None
-        try:
-            ok = bcrypt.checkpw(password.encode(), hashed.encode() if hashed else self._dummy)
-        finally:
-            self._slots.release()
-        ok = bool(sep) and hashed is not None and ok
-        if ok:
-            with self._lock:
+        job = _Check(client, *credentials)
+        with self._cond:
+            if self._pending.get(client, 0) >= AUTH_PENDING_PER_CLIENT:
+                return "busy"
+            if self._total >= AUTH_PENDING_TOTAL:
+                return None
+            self._pending[client] = self._pending.get(client, 0) + 1
+            self._total += 1
+            self._queues.setdefault(client, deque()).append(job)
+            self._ready.setdefault(client, None)
+            self._cond.notify()
+        if not job.done.wait(AUTH_WAIT_S):
+            with self._cond:
+                queue = self._queues.get(client)
+                if queue is not None and job in queue:  # not started: drop it
+                    queue.remove(job)
+                    self._release(client)
+                    return None
+            job.done.wait()  # running: one check's time at most
+        if job.ok:
+            with self._cond:
                 self._passed[digest] = None
                 while len(self._passed) > AUTH_CACHE_SIZE:
                     self._passed.pop(next(iter(self._passed)))
+        return job.ok
+
+    def _release(self, client: str) -> None:
+        """One check of ``client`` left the queue (run or dropped); called with the lock held."""
+        self._total -= 1
+        self._pending[client] -= 1
+        if not self._pending[client]:
+            del self._pending[client]
+        if not self._queues.get(client):
+            self._queues.pop(client, None)
+            self._ready.pop(client, None)
+
+    def _next(self) -> _Check:
+        """The next check: clients without a recent failure first, each client in turn."""
+        with self._cond:
+            while not self._ready:
+                self._cond.wait()
+            since = time.monotonic() - AUTH_FAILURE_MEMORY_S
+            client = next((c for c in self._ready if self._failed_at.get(c, since) <= since),
+                          next(iter(self._ready)))
+            job = self._queues[client].popleft()
+            del self._ready[client]
+            if self._queues[client]:
+                self._ready[client] = None  # back of the line
+            return job
+
+    def _work(self) -> None:
+        while True:
+            job = self._next()
+            try:
+                job.ok = self.verify(job.user, job.password)
+            except Exception:  # noqa: BLE001  (a worker that died would shrink the pool for good)
+                job.ok = False
+            finally:
+                with self._cond:
+                    self._failed_at.pop(job.client, None)
+                    if not job.ok:
+                        self._failed_at[job.client] = time.monotonic()  # newest last
+                        if len(self._failed_at) > AUTH_FAILED_CLIENTS_KEPT:
+                            self._failed_at.pop(next(iter(self._failed_at)))
+                    self._release(job.client)
+                job.done.set()
+
+    def verify(self, user: str, password: bytes) -> bool:
+        """bcrypt, always 2^max_cost rounds of work, whatever the user and password."""
+        import bcrypt
+
+        hashed = self.users.get(user)
+        if hashed is None or len(password) > BCRYPT_MAX_PASSWORD_BYTES:
+            bcrypt.checkpw(b"", self._dummies[self.max_cost])
+            return False
+        try:
+            ok = bcrypt.checkpw(password, hashed)
+        except ValueError:  # a password bcrypt refuses (NUL handling differs between versions)
+            ok = False
+        for cost in range(self._costs[user], self.max_cost):
+            bcrypt.checkpw(b"", self._dummies[cost])
         return ok
 
 
 def _guarded(app, users: dict[str, str]):
     auth = BasicAuth(users)
 
+    def plain(start_response, status: str, body: bytes, *headers: tuple[str, str]) -> list[bytes]:
+        start_response(status, [*headers, ("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
+
     def guarded_app(environ, start_response):
-        verdict = auth.check(environ.get("HTTP_AUTHORIZATION", ""))
-        if verdict:
+        verdict = auth.check(environ.get("HTTP_AUTHORIZATION", ""), environ.get("REMOTE_ADDR", ""))
+        if verdict is True:
             return app(environ, start_response)
+        if verdict == "busy":
+            return plain(start_response, "429 Too Many Requests",
+                         b"Too many authentication attempts from this address at once\n", ("Retry-After", "1"))
         if verdict is None:
-            start_response("503 Service Unavailable", [("Retry-After", "1"),
-                                                       ("Content-Type", "text/plain; charset=utf-8")])
-            return [b"Too many authentication attempts at once\n"]
-        start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="r9k exporter"'),
-                                             ("Content-Type", "text/plain; charset=utf-8")])
-        return [b"Unauthorized\n"]
+            return plain(start_response, "503 Service Unavailable",
+                         b"Too many authentication attempts at once\n", ("Retry-After", "1"))
+        return plain(start_response, "401 Unauthorized", b"Unauthorized\n",
+                     ("WWW-Authenticate", 'Basic realm="r9k exporter"'))
     return guarded_app
 
 
