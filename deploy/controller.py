@@ -35,6 +35,7 @@ from r9k.deploy.probes import HttpProbe
 from r9k.fleet_status import (CardStatus, EngineLoadStatus, ExporterStatus, FleetStatus, PlanStatus,
                               ReplicaStatus)
 from r9k.http_client import host_url
+from r9k.ops.state import BDF_PATTERN
 from r9k.deploy.ray_backend import RayReplica
 from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
@@ -509,6 +510,8 @@ class FleetController(Backend):
             # the router scores replicas by the engine's own pool and queue
             r.route.engine = EngineLoad(counters.running, counters.waiting,
                                         counters.kv_usage_ratio, now)
+        elif counters is not None:  # it answered, but not with a usable load (NaN): unknown now
+            r.route.engine = None
         self._note(r, r.lc.observe(now, Observation(
             heartbeat_ok=heartbeat, counters=counters, in_flight=r.route.outstanding, proof=proof)))
 
@@ -573,6 +576,10 @@ class FleetController(Backend):
                            exporter=self.exporter_status())
 
     async def admin(self, action: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        try:
+            body = admin_body(action, body)
+        except ValueError as exc:
+            return 400, {"error": str(exc)}
         if action in ("drain", "undrain") and body.get("card"):
             from r9k.deploy.lifecycle import FAULT_FROM_OPS
 
@@ -600,7 +607,7 @@ class FleetController(Backend):
                 self._save_operator_fences()
             return 200, {"card": card_label(card), "drained": drained}
         if action == "drain":
-            r = self.replicas.get(body.get("replica", ""))
+            r = self.replicas.get(body.get("replica") or "")
             if r is None:
                 return 404, {"error": f"no replica {body.get('replica')!r}; replicas: {', '.join(self.replicas)}"}
             if r.task is not None:
@@ -645,3 +652,40 @@ class FleetController(Backend):
         await self.start()
         await self.stopping.wait()
         await self.stop()
+
+
+# What each admin action takes: names and words of bounded length (a reason or event is kept in
+# fences.json and shown in status), a card as a PCI address.
+_ADMIN_FIELDS: dict[str, dict[str, Any]] = {
+    "drain": {"card": BDF_PATTERN, "host": r"[!-~]{1,200}", "event": r"[a-z_]{1,64}",
+              "reason": r"[ -~]{1,200}", "replica": r"[!-~]{1,200}"},
+    "undrain": {"card": BDF_PATTERN, "host": r"[!-~]{1,200}"},
+    "restart": {}, "down": {},
+}
+
+
+def admin_body(action: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An admin request's body, checked for its action: every field known, a string matching its
+    form (ValueError naming the field, what was given and what was expected). An unknown action
+    passes through (answered 404 by the caller)."""
+    import re
+
+    fields = _ADMIN_FIELDS.get(action)
+    if fields is None:
+        return body
+    for key, value in body.items():
+        if key not in fields:
+            raise ValueError(f"{action}: unknown field {key!r}; expected "
+                             + (", ".join(fields) if fields else "an empty object"))
+        if value is None:
+            continue
+        if not isinstance(value, str) or not re.fullmatch(fields[key], value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ValueError(f"{action}: {key} {shown}: expected "
+                             + ("a PCI address such as 0000:03:00.0" if key == "card"
+                                else f"a string matching {fields[key]}"))
+    if action == "drain" and bool(body.get("card")) == bool(body.get("replica")):
+        raise ValueError("drain: expected a card or a replica (one of them)")
+    if action == "undrain" and not body.get("card"):
+        raise ValueError("undrain: expected a card")
+    return body

@@ -21,6 +21,7 @@ Ties go to the replica chosen longest ago (a restarted replica takes its turn at
 """
 from __future__ import annotations
 
+
 import hashlib
 import itertools
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 POLICIES = ("least-outstanding", "pool-aware", "prefix-affinity", "round-robin")
 STALE_S = 10.0               # engine state older than this is unknown
+MAX_SANE_REQUESTS = 1e9     # a count above this is a broken report, not a load
 MIN_FREE_POOL = 0.02         # a full pool still ranks, far behind any with room
 AFFINITY_LOAD_FACTOR = 2.0   # prefix affinity yields when its replica is this much worse off
 
@@ -50,8 +52,16 @@ class Candidate(Protocol):
 
 
 def fresh_engine(c: Candidate, now_s: float) -> EngineLoad | None:
+    """The candidate's engine state if it is recent and sane; None (unknown) otherwise: a
+    replica reporting NaN or a negative count must not win every request (NaN compares false
+    with everything, so its score would never lose)."""
     e = c.engine
-    return e if e is not None and 0 <= now_s - e.read_at_s <= STALE_S else None
+    if e is None or not 0 <= now_s - e.read_at_s <= STALE_S:
+        return None
+    values = (e.running, e.waiting, e.kv_usage_ratio)
+    if not all(isinstance(v, (int, float)) and 0 <= v <= MAX_SANE_REQUESTS for v in values):
+        return None  # NaN fails both comparisons
+    return e
 
 
 def requests_ahead(c: Candidate, now_s: float) -> float:

@@ -6,7 +6,8 @@ Pure: imports prometheus_client's parser only (no vLLM).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,6 +40,7 @@ class VllmMetrics:
     ssm_state_dtype: str | None = None      # mamba_ssm_cache_dtype when set explicitly
     cache_mode: str | None = None           # mamba_cache_mode (none | align | all)
     plugin: dict[str, str] | None = None    # r9k_plugin_info labels; None: no plugin series
+    invalid: list[str] = field(default_factory=list)  # samples dropped: NaN or infinite
 
     @property
     def page_mode(self) -> str | None:
@@ -65,6 +67,10 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
+            if not math.isfinite(value):
+                # a NaN or infinite count or ratio says nothing: the field stays unknown
+                out.invalid.append(name)
+                continue
             if out.model_name is None and labels.get("model_name"):
                 out.model_name = labels["model_name"]
             if name == "vllm:num_requests_running":
