@@ -170,7 +170,10 @@ class ReplicaLifecycle:
         if obs.supervisor_error is not None:
             return [Fail(f"supervisor lost: {obs.supervisor_error}")]
         if not obs.alive:
-            return [Fail(f"engine process exited with {obs.returncode}")]
+            # any exit the supervisor did not ask for fails the replica, status 0 included:
+            # vLLM can crash with exit status 0 (hybrid GDN + MTP + async scheduling)
+            return [Fail(f"engine process exited with {obs.returncode}"
+                         + (" (a clean exit nobody asked for)" if obs.returncode == 0 else ""))]
         if self.state == LOADING:
             return self._observe_loading(now, obs)
         assert self.ready_health is not None

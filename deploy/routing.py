@@ -21,7 +21,6 @@ Ties go to the replica chosen longest ago (a restarted replica takes its turn at
 """
 from __future__ import annotations
 
-
 import hashlib
 import itertools
 from dataclasses import dataclass

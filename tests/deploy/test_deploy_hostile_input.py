@@ -92,3 +92,37 @@ def test_scores_stay_finite_and_a_replica_is_always_chosen(loads, policy):
         score = pool_score(c, now)
         assert math.isfinite(score) and score > 0
     assert choose(cands, policy, now, key="k" * 10) in cands
+
+
+@pytest.mark.parametrize("returncode", [0, 1, -9])
+@pytest.mark.parametrize("state", ["loading", "ready"])
+def test_an_engine_exit_nobody_asked_for_fails_the_replica_even_with_status_0(state, returncode):
+    """vLLM can crash with exit status 0: an exit is a failure unless the supervisor stopped it."""
+    from r9k.deploy.config import HealthSpec
+    from r9k.deploy.lifecycle import Fail, Observation, ReplicaLifecycle
+
+    lc = ReplicaLifecycle("tiny-0", HealthSpec())
+    lc.placing("h1", ("0000:c1:00.0",))
+    lc.engine_started(0.0, 1, 4242, "http://127.0.0.1:18700", "/logs/tiny-0.1.log")
+    if state == "ready":
+        lc.state = "ready"
+    [action] = lc.observe(5.0, Observation(alive=False, returncode=returncode))
+    assert isinstance(action, Fail) and f"exited with {returncode}" in action.reason
+
+
+def test_the_supervisor_reports_a_clean_exit_of_its_engine_as_an_exit(tmp_path):
+    """The real supervisor and guard: an engine that exits 0 on its own is reported dead with 0
+    (not running, not hidden), which the lifecycle above fails."""
+    import sys
+    import time
+
+    from r9k.deploy.supervisor import ReplicaProcess
+
+    proc = ReplicaProcess("tiny-0", [sys.executable, "-c", "import time; time.sleep(0.3)", "{port}"],
+                          str(tmp_path), "127.0.0.1", (18900, 18999))
+    proc.start()
+    deadline = time.monotonic() + 20
+    while proc.status()["alive"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = proc.status()
+    assert status["alive"] is False and status["returncode"] == 0
