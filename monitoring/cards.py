@@ -175,15 +175,19 @@ class OpsPowerCollector(_Source):
 
     def collect(self) -> Iterator[Metric]:
         config, config_valid = self._config()
+        states = self._states(tally=False)
+        # over-cap drift from the state reconcile keeps: the same value `ops reconcile` shows
+        since = {bdf: st.over_cap_since for bdf, st in states.items() if st.over_cap_since is not None}
         try:
-            statuses = power_status(config, self.host_root, None)  # health: the state collector
+            # health: the state collector
+            statuses = power_status(config, self.host_root, None, over_cap_since=since)
         except (OSError, sysfs.NotReady):  # counted by the gpu collector
             statuses = []
         valid = _gauge("r9k_ops_config_valid",
                        "1 when the ops config loaded; 0 when missing or refused (drift is then unknown).", [])
         valid.add_metric([], 1.0 if config_valid else 0.0)
         yield valid
-        yield from self._power(statuses, self._states(tally=False), config_valid)
+        yield from self._power(statuses, states, config_valid)
         yield from self._presence(config, self._cards())
 
     def _power(self, statuses: list[CardStatus], states: CardStates, config_valid: bool

@@ -16,7 +16,7 @@ import click
 
 from r9k.errors import BadInput, FiniteFloat
 from r9k.ops.config import DEFAULT_CONFIG_PATH, ConfigError, OpsConfig, load_config
-from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR, write_probe
+from r9k.ops.state import BDF_RE, DEFAULT_STATE_DIR, state_dir_problem, write_probe
 
 _CONFIG_OPT = click.option("--config", "config_path", default=DEFAULT_CONFIG_PATH, show_default=True,
                            envvar="R9K_OPS_CONFIG", help="Ops YAML config.")
@@ -41,6 +41,11 @@ def _check_state_dir(state_dir: str, must_exist: bool = False, writable: bool = 
     if must_exist and not path.is_dir():
         raise BadInput(f"--state-dir {state_dir}: no ops state there (expected the directory the watcher "
                        "writes, default /var/lib/r9k/ops)")
+    # Run as root, state others can write is refused: a forged card file could un-fence a card,
+    # a planted link make root write elsewhere.
+    problem = state_dir_problem(path)
+    if problem:
+        raise BadInput(f"--state-dir {state_dir}: {problem}; nothing read or written there")
     if writable:
         # Commands that record (faults, power checks, clears) find out now, not at the first fault.
         try:
@@ -239,9 +244,16 @@ def reconcile_cmd(config_path, host_root, state_dir, interval, count, backend, s
                                    "ok": all(s.ok for s in last if s.managed) and presence.ok,
                                    "cards": [s.to_json() for s in last]}))
         else:
-            drifted = [s.bdf for s in last if s.managed and not s.ok]
+            drifted = [s for s in last if s.managed and not s.ok]
             click.echo(f"round {rounds}: re-applied {', '.join(redone) or 'none'}; "
-                       f"{'drift on ' + ', '.join(drifted) if drifted else 'all cards match'}", nl=True)
+                       f"{'drift on ' + ', '.join(s.bdf for s in drifted) if drifted else 'all cards match'}",
+                       nl=True)
+            for s in drifted:  # the same reasons --json and the state file carry
+                click.echo(f"    {s.bdf}: {'; '.join(s.drift)}")
+            for s in last:
+                for error in s.errors:
+                    if "not saved" in error:
+                        click.echo(f"    warning: {s.bdf}: {error}", err=True)
             _report_presence(presence, as_json)
         if count is not None and rounds >= count:
             break
@@ -288,7 +300,7 @@ def watch_cmd(config_path, host_root, state_dir, source, once, record, interval,
     watcher = Watcher(src, state_dir if record else None, host_root, config.hook_argvs() if record else [],
                       config.fault_events, on_event=on_event, hook_timeout_s=config.hook_timeout_s,
                       on_hook=lambda run: print_hook(run, as_json),
-                      trust_syslog_kernel_tag=config.trust_syslog_kernel_tag)
+                      trust_syslog_kernel_tag=config.trust_syslog_kernel_tag, heartbeat=not once)
     failure = None
     try:
         if once:

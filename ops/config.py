@@ -6,6 +6,7 @@ value that is not exactly what the field expects is refused with a message namin
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -226,17 +227,57 @@ def _replaceable_dirs(path: Path, label: str) -> str | None:
     return None
 
 
-def _names_a_path(arg: str) -> bool:
-    """A hook argument the hook may read as a file (a script for an interpreter, a config): one
-    that exists, or looks like a path (a '/', no blanks, not an option, not a URL)."""
-    return os.path.lexists(arg) or ("/" in arg and "://" not in arg and not arg.startswith("-")
-                                    and not any(c.isspace() for c in arg))
+# A word no program can take for a file: letters, digits and a few marks, no '/', no blanks, no
+# shell syntax (and it names nothing under /, the hooks' working directory; checked separately).
+_PLAIN_WORD = re.compile(r"^[A-Za-z0-9_@%+,.:=-]+$")
+# The fleet's drain hook takes its entry point's URL (`--url http://HEAD:8000`): a URL, not a path.
+_HTTP_URL = re.compile(r"^https?://[A-Za-z0-9_.:@\[\]-]+(?:/[A-Za-z0-9_.~%+=&?,:@-]*)*$")
+# Programs that take code as an argument (-c, -e, ...): what that code opens no checker can see.
+_INTERPRETERS = re.compile(r"^(?:(?:ba|da|z|k|mk|c|tc|fi|a)?sh|busybox|env|python[\d.]*|pypy[\d.]*|perl[\d.]*"
+                           r"|ruby[\d.]*|node(?:js)?|php[\d.]*|lua[\d.]*|[gnm]?awk|tclsh[\d.]*|osascript)$")
+# Working directory the hooks run in (run_hooks): relative words are judged against it.
+HOOK_CWD = "/"
+
+
+def _argument_problem(program: str, arg: str, label: str) -> str | None:
+    """Why one hook argument cannot be proved safe to hand a root hook, or None. Allowed: a
+    plain word that names nothing (see _PLAIN_WORD), an http(s) URL, or a path that exists and
+    that only root can change or replace (``_replaceable``). Everything else is refused."""
+    name = os.path.basename(program)
+    shown = arg if len(arg) <= 80 else arg[:77] + "..."
+    if name == "env" and arg.startswith("-"):
+        return (f"{label} argument {shown!r}: env's options (--chdir, -S, -u, ...) change what runs and "
+                "where, unseen by this check; expected env with NAME=value words and a command only")
+    if _INTERPRETERS.match(name) and re.fullmatch(r"-[A-Za-z]*[ceEpxS][A-Za-z]*", arg):
+        return (f"{label} argument {shown!r}: {name} would run code given as a string, which this check "
+                "cannot see into; expected the path of a root-owned script instead")
+    relative = os.path.join(HOOK_CWD, arg)
+    if _PLAIN_WORD.match(arg) and not os.path.lexists(relative) and arg not in (".", ".."):
+        return None
+    if _HTTP_URL.match(arg):
+        return None
+    if os.path.isabs(arg) and os.path.lexists(arg):
+        return _replaceable(Path(arg), f"{label} argument")
+    if _PLAIN_WORD.match(arg) or arg in (".", ".."):  # exists under the working directory
+        return _replaceable(Path(os.path.normpath(relative)), f"{label} argument")
+    if os.path.isabs(arg):
+        return (f"{label} argument {shown} is not there (a path a hook reads must exist, root-owned, "
+                "when the config is loaded)")
+    if arg.startswith("-") and "=" in arg:
+        return (f"{label} argument {shown!r}: an option with a value this check cannot prove is not a "
+                "path; expected the option and its value as two arguments (an absolute root-owned path "
+                "or a plain word)")
+    return (f"{label} argument {shown!r} cannot be proved safe; expected a plain word (letters, digits, "
+            "_@%+,.:=-), an http(s) URL or the absolute path of a root-owned file (no blanks, no "
+            "shell commands, no relative paths)")
 
 
 def hook_problem(argv: list[str]) -> str | None:
-    """Why a hook must not run as root, or None: its executable and every argument that names a
-    path (`[/bin/sh, dir/hook.sh]`, `"python3 dir/hook.py"`) must be root-owned files in
-    directories only root can write (`_replaceable`)."""
+    """Why a hook must not run as root, or None. An allow-rule: its executable is a root-owned
+    file in directories only root can write (`_replaceable`), and every argument is either a
+    word that provably names no file or a path that passes the same check; shell strings
+    (`sh -c ...`), options that carry a path (`--opt=/path`), words with blanks, env's options and
+    relative paths are refused, since what they make the hook open cannot be checked."""
     command = argv[0]
     found = command if os.path.isabs(command) else shutil.which(command)
     if found is None:
@@ -250,12 +291,7 @@ def hook_problem(argv: list[str]) -> str | None:
     if problem:
         return problem
     for arg in argv[1:]:
-        if not _names_a_path(arg):
-            continue
-        if not os.path.lexists(arg):
-            return (f"hook {command}: argument {arg} is not there (a path a hook reads must exist, "
-                    "root-owned, when the config is loaded)")
-        problem = _replaceable(Path(arg), f"hook {command}: argument")
+        problem = _argument_problem(str(real), arg, f"hook {command}:")
         if problem:
             return problem
     return None

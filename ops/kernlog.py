@@ -23,7 +23,13 @@ from r9k.ops.state import BDF_PATTERN
 RESET_SOURCES = {0: "unknown", 1: "job", 2: "ras", 3: "mes", 4: "hws", 5: "user"}
 
 _BDF = rf"(?i:{BDF_PATTERN})"  # as the kernel writes it, any case
-_PREFIX_BDF = re.compile(rf"\b(?:amdgpu|pci)\s+({_BDF}):")
+# The subsystem prefixes amdgpu and drm put before their messages, in the order they come:
+# `amdgpu 0000:03:00.0: `, `amdgpu: `, `[drm] ` or `[drm:func [amdgpu]] `, `*ERROR* `. Rules match
+# the text right after them only: a process name or other text later in a record (a segfault of
+# a process named `ring x timeout`, `Process information: process ...`) is never a GPU event.
+_DEVICE_PREFIX = re.compile(rf"(?:amdgpu|pci)\s+({_BDF}):\s*")
+_GPU_PREFIX = re.compile(r"(?:amdgpu:|\[drm(?::[^\[\]\s]*(?:\s*\[[^\[\]\s]*\])?)?\])\s*")
+_SEVERITY = re.compile(r"\*(?:ERROR|WARNING|WARN|INFO|NOTICE|DEBUG)\*\s*")
 _KMSG = re.compile(r"^(\d+),(\d+),(\d+),([^;]*);(.*)$")
 _DMESG_TS = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
 # RFC 3164 (``Nov 30 05:24:01 host tag[pid]: msg``) or RFC 3339 stamps; the tag says who wrote it.
@@ -40,20 +46,51 @@ CONTEXT_WINDOW_S = 2.0
 # (type, pattern); the first match wins. Follow-up lines of one fault (``failed to remove hardware
 # queue from MES``, ``GPU reset end with ret``, ``VRAM is lost``) are deliberately not events.
 _RULES: list[tuple[str, re.Pattern[str]]] = [
-    ("mes_timeout", re.compile(r"\bMES(?:\((?P<pipe>\d+)\))? failed to respond to msg=\s*(?P<msg>.+?)\s*$")),
-    ("mes_timeout", re.compile(r"\bMES failed to response msg=\s*(?P<msg>\S+)")),
-    ("ring_timeout", re.compile(r"\bring (?P<ring>\S+) timeout(?P<soft>, but soft recovered)?")),
-    ("reset_begin", re.compile(r"\bGPU reset begin!(?:\.?\s*Source:\s*(?P<source>\d+))?")),
+    ("mes_timeout", re.compile(r"MES(?:\((?P<pipe>\d+)\))? failed to respond to msg=\s*(?P<msg>.+?)\s*$")),
+    ("mes_timeout", re.compile(r"MES failed to response msg=\s*(?P<msg>\S+)")),
+    ("ring_timeout", re.compile(r"ring (?P<ring>\S+) timeout(?P<soft>, but soft recovered)?")),
+    ("reset_begin", re.compile(r"GPU reset begin!(?:\.?\s*Source:\s*(?P<source>\d+))?")),
     ("reset_succeeded", re.compile(r"\bGPU reset\((?P<n>\d+)\) succeeded!")),
     ("reset_failed", re.compile(r"\bGPU reset\((?P<n>\d+)\) failed")),
-    ("reset_failed", re.compile(r"\bGPU Recovery Failed:?\s*(?P<ret>-?\d+)?")),
-    ("device_lost", re.compile(r"\bdevice lost from bus!")),
-    ("recovery_disabled", re.compile(r"\bGPU recovery disabled\.?")),
+    ("reset_failed", re.compile(r"GPU Recovery Failed:?\s*(?P<ret>-?\d+)?")),
+    ("device_lost", re.compile(r"device lost from bus!")),
+    ("recovery_disabled", re.compile(r"GPU recovery disabled\.?")),
 ]
 
 
 # Every rule above contains one of these words: substring tests skip the rules for most lines.
 _RULE_WORDS = ("MES", "timeout", "GPU ", "device lost")
+
+
+@dataclass
+class Subsystem:
+    """A kernel message split at its prefix: whether amdgpu/drm wrote it, the card its device
+    prefix names, and the message body the rules apply to."""
+
+    gpu: bool
+    bdf: str | None
+    body: str
+
+
+def split_subsystem(message: str) -> Subsystem:
+    """``amdgpu 0000:03:00.0: amdgpu: MES failed ...`` -> (True, 0000:03:00.0, ``MES failed ...``).
+    A message is amdgpu's or drm's only when it starts with their prefix; a ``pci BDF:`` prefix
+    names the card but is the PCI core's, not a GPU message."""
+    text = message.lstrip()
+    bdf, gpu = None, False
+    device = _DEVICE_PREFIX.match(text)
+    if device:
+        bdf, gpu = device.group(1).lower(), text.startswith("amdgpu")
+        text = text[device.end():]
+    while True:
+        prefix = _GPU_PREFIX.match(text)
+        if not prefix:
+            break
+        gpu, text = True, text[prefix.end():]
+    severity = _SEVERITY.match(text)
+    if severity and gpu:
+        text = text[severity.end():]
+    return Subsystem(gpu, bdf, text)
 
 
 @dataclass
@@ -186,21 +223,21 @@ class Classifier:
 
     def classify(self, line: LogLine) -> KernelEvent | None:
         self._lines += 1
-        text = line.message
-        prefix = _PREFIX_BDF.search(text) if ("amdgpu" in text or "pci" in text) else None
+        parts = split_subsystem(line.message)
         bdf, attribution = None, "context"
-        if prefix:
-            bdf, attribution = prefix.group(1).lower(), "prefix"
+        if parts.bdf:
+            bdf, attribution = parts.bdf, "prefix"
         elif line.device_bdf:
             bdf, attribution = line.device_bdf, "device"
         context = None if bdf else self._context_bdf(line)
-        if bdf and ("amdgpu" in line.message or attribution == "device"):
+        if bdf and (parts.gpu or attribution == "device"):
             self._context = [c for c in self._context if self._lines - c[1] < CONTEXT_MAX_LINES]
             self._context.append((bdf, self._lines, line.mono_s))
-        if not any(word in text for word in _RULE_WORDS):
+        text = parts.body
+        if not parts.gpu or not any(word in text for word in _RULE_WORDS):
             return None
         for event_type, pattern in _RULES:
-            match = pattern.search(line.message)
+            match = pattern.match(text)
             if not match:
                 continue
             if bdf is None:

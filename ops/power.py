@@ -87,7 +87,8 @@ def plan_card(config: OpsConfig, card: Card) -> tuple[CardPlan, list[str]]:
     problems = []
     if cap is not None:
         if card.cap_min_watts is None or card.cap_max_watts is None:
-            problems.append(f"{card.bdf}: the card declares no power cap range (power1_cap_min/max unreadable)")
+            problems.append(f"{card.bdf}: power_cap_watts {cap} not settable: the card declares no power cap "
+                            "range (power1_cap_min/max missing); its other settings are applied")
             cap = None
         elif not card.cap_min_watts <= cap <= card.cap_max_watts:
             problems.append(
@@ -124,6 +125,33 @@ def _matches(card: Card, plan: CardPlan) -> list[str]:
         elif card.offset_mv != plan.offset_mv:
             drift.append(f"voltage offset {card.offset_mv} mV, wanted {plan.offset_mv} mV")
     return drift
+
+
+OVER_CAP_PREFIX = "drew "
+
+
+def over_cap_drift(config: OpsConfig, status: "CardStatus", since: float | None, now: float) -> str | None:
+    """The one over-cap drift every reader shows (reconcile's text and --json, the state file,
+    `ops status`, the exporter): a card whose cap reads back right but that has drawn more than
+    cap + ``cap_draw_margin_watts`` since ``since`` (unix time, kept in its state file by
+    reconcile) for at least ``cap_draw_window_s`` (LACT issue 506). None otherwise."""
+    if since is None or not _drawing_over_cap(config, status):
+        return None
+    if now - since < config.cap_draw_window_s:
+        return None
+    return (f"{OVER_CAP_PREFIX}{status.power_watts:g} W, over its {status.wanted_cap_watts} W cap by more than "
+            f"{config.cap_draw_margin_watts} W for {config.cap_draw_window_s:g} s")
+
+
+def _drawing_over_cap(config: OpsConfig, status: "CardStatus") -> bool:
+    """Drawing more than cap + margin now, with nothing else wrong (a cap that reads back wrong is
+    drift of its own, and a fenced or absent card is not judged)."""
+    cap = status.wanted_cap_watts
+    if cap is None or status.power_watts is None or status.fenced or status.card is None:
+        return False
+    if any(not d.startswith(OVER_CAP_PREFIX) for d in status.drift):
+        return False
+    return status.power_watts > cap + config.cap_draw_margin_watts
 
 
 def _settle(card: Card, plan: CardPlan, timeout_s: float) -> tuple[Card, list[str]]:
@@ -168,17 +196,26 @@ def _fenced_bdfs(state_dir: str | os.PathLike | None, host_root: str | os.PathLi
     return fenced
 
 
-def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus]) -> None:
+_KEEP = object()
+
+
+def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus],
+                  over_cap_since: dict[str, float | None] | None = None) -> None:
+    """Save each checked card's result (``power_ok``, the same drift list the caller shows) and,
+    from reconcile, since when it draws over its cap."""
     if state_dir is None:
         return
     for status in statuses:
-        if not status.managed or status.fenced:
+        if not status.managed or status.fenced or status.card is None:
             continue
+        since = (over_cap_since or {}).get(status.bdf, _KEEP)
 
-        def change(state, status=status):
+        def change(state, status=status, since=since):
             state.power_ok = status.ok
             state.power_drift = list(status.drift)
             state.power_checked_at = time.time()
+            if since is not _KEEP:
+                state.over_cap_since = since
 
         try:
             update_card_state(state_dir, status.bdf, change)
@@ -193,8 +230,11 @@ def power_status(
     host_root: str | os.PathLike = "/",
     state_dir: str | os.PathLike | None = None,
     record: bool = False,
+    over_cap_since: dict[str, float] | None = None,
 ) -> list[CardStatus]:
-    """Wanted vs actual for every amdgpu card (read-only unless ``record`` writes the state dir)."""
+    """Wanted vs actual for every amdgpu card (read-only unless ``record`` writes the state dir).
+    Over-cap drift is judged from ``over_cap_since`` (reconcile's memory without a state dir),
+    else from each card's state file."""
     cards = sysfs.discover_cards(host_root)
     states = read_card_states(state_dir) if state_dir else {}
     fenced = _fenced_bdfs(state_dir, host_root)
@@ -224,6 +264,11 @@ def power_status(
         )
         if wanted is not None and not status.fenced:
             status.drift = _matches(card, CardPlan(card.bdf, wanted.power_cap_watts, wanted.voltage_offset_mv))
+            since = (over_cap_since.get(card.bdf) if over_cap_since is not None
+                     else st.over_cap_since if st else None)
+            over = over_cap_drift(config, status, since, time.time())
+            if over:
+                status.drift.append(over)
         elif status.fenced:
             status.drift = [f"fenced (not touched): {status.unhealthy_reason}"]
         out.append(status)
@@ -239,6 +284,7 @@ class Backend:
     reason: str
     client: LactClient | None = None
     gpu_ids: dict[str, str] = field(default_factory=dict)
+    auto: bool = False  # chosen by `backend: auto`: a card LACT does not list goes through sysfs
 
 
 def choose_backend(config: OpsConfig, override: str | None = None) -> Backend:
@@ -257,7 +303,7 @@ def choose_backend(config: OpsConfig, override: str | None = None) -> Backend:
             raise BackendError(f"backend lact: {exc}") from None
         return Backend("sysfs", f"LACT not available ({exc})")
     return Backend("lact", "configured" if wanted == "lact" else f"LACT answers on {config.lact_socket}",
-                   client, gpu_ids)
+                   client, gpu_ids, auto=wanted == "auto")
 
 
 def _apply_sysfs(card: Card, plan: CardPlan, deadline: float, actions: list[str],
@@ -342,9 +388,21 @@ def apply_power(
     targets = [c for c in _managed_targets(config, cards) if only is None or c.bdf in only]
     fenced = _fenced_bdfs(state_dir, host_root)
     backend = choose_backend(config, backend_override)
-    # A card LACT does not list is reported for itself; the others are still applied.
-    unlisted = {c.bdf: "LACT does not list this card (list_devices)" for c in targets
-                if backend.name == "lact" and c.bdf not in backend.gpu_ids}
+    not_listed = [c.bdf for c in targets if backend.name == "lact" and c.bdf not in backend.gpu_ids]
+    via_sysfs: set[str] = set()
+    unlisted: dict[str, str] = {}
+    if backend.auto and not_listed:
+        # auto: LACT for the cards it lists, sysfs for the others (another GPU's LACT, a card
+        # it has not picked up); with none listed, sysfs for all
+        if len(not_listed) == len(targets):
+            backend = Backend("sysfs", f"LACT answers on {config.lact_socket} but lists none of these "
+                                       f"cards ({', '.join(not_listed)}): sysfs")
+        else:
+            via_sysfs = set(not_listed)
+            backend.reason += f"; sysfs for {', '.join(not_listed)} (LACT does not list them)"
+    else:
+        # explicitly lact: a card LACT does not list is reported for itself; the others applied
+        unlisted = {bdf: "LACT does not list this card (list_devices)" for bdf in not_listed}
 
     # Wait for every card to be readable (hwmon appears late at boot), then validate all of them
     # before the first write: bad input must change nothing.
@@ -353,8 +411,9 @@ def apply_power(
     for card in targets:
         if card.bdf in fenced or card.bdf in unlisted:
             continue
+        wants_cap = config.wanted(card.bdf).power_cap_watts is not None
         try:
-            ready[card.bdf] = retry_not_ready(lambda c=card: _checked(c), deadline)
+            ready[card.bdf] = retry_not_ready(lambda c=card: _checked(c, wants_cap), deadline)
         except NotReady as exc:
             not_ready[card.bdf] = str(exc)
     # A setting a card does not declare valid is refused for that card alone (reported as its
@@ -365,12 +424,14 @@ def apply_power(
         plans[bdf], refused[bdf] = plan_card(config, card)
 
     actions: dict[str, list[str]] = {bdf: [] for bdf in plans}
+    for bdf in via_sysfs & set(actions):
+        actions[bdf].append("backend sysfs: LACT does not list this card (list_devices)")
     errors: dict[str, str] = {**not_ready, **unlisted}
     for bdf, plan in plans.items():
         if plan.cap_watts is None and plan.offset_mv is None:
             continue
         try:
-            if backend.name == "lact":
+            if backend.name == "lact" and bdf not in via_sysfs:
                 _apply_lact(backend, ready[bdf], plan, settle_s, actions[bdf])
             else:
                 _apply_sysfs(ready[bdf], plan, deadline, actions[bdf], bdf in (force_cap or ()))
@@ -404,34 +465,24 @@ def apply_power(
                        card_presence(config, [c.bdf for c in cards]))
 
 
-def _checked(card: Card) -> Card:
+def _checked(card: Card, wants_cap: bool = True) -> Card:
     fresh = sysfs.refresh(card)
     sysfs.check_ready(fresh)
-    if fresh.cap_min_watts is None or fresh.cap_max_watts is None:
-        raise NotReady("power cap range not readable yet")
+    if wants_cap and (fresh.cap_min_watts is None or fresh.cap_max_watts is None):
+        assert fresh.hwmon_dir is not None  # check_ready
+        # files there but unreadable (in reset): wait; a card that has none never will
+        if all((fresh.hwmon_dir / name).exists() for name in ("power1_cap_min", "power1_cap_max")):
+            raise NotReady("power cap range not readable yet")
     return fresh
 
 
 @dataclass
 class ReconcileState:
-    """What the loop remembers between rounds: reset counts seen per card, and since when (monotonic)
-    each card has drawn more than its cap plus the margin."""
+    """What the loop remembers between rounds: reset counts seen per card, and (without a state
+    dir, which otherwise keeps it) since when each card has drawn more than its cap + margin."""
 
     resets_seen: dict[str, int] = field(default_factory=dict)
     over_cap_since: dict[str, float] = field(default_factory=dict)
-
-
-def _over_cap_too_long(config: OpsConfig, status: CardStatus, memory: ReconcileState) -> bool:
-    """A card whose cap reads back right but that draws more than cap + margin, for the window."""
-    cap = status.wanted_cap_watts
-    if cap is None or status.power_watts is None or status.drift:
-        memory.over_cap_since.pop(status.bdf, None)
-        return False
-    if status.power_watts <= cap + config.cap_draw_margin_watts:
-        memory.over_cap_since.pop(status.bdf, None)
-        return False
-    since = memory.over_cap_since.setdefault(status.bdf, time.monotonic())
-    return time.monotonic() - since >= config.cap_draw_window_s
 
 
 def reconcile_once(
@@ -447,8 +498,19 @@ def reconcile_once(
     Returns (statuses after the round, BDFs re-applied).
     """
     memory = memory or ReconcileState()
-    statuses = power_status(config, host_root, state_dir)
+    statuses = power_status(config, host_root, state_dir,
+                            over_cap_since=memory.over_cap_since if state_dir is None else None)
     states = read_card_states(state_dir) if state_dir else {}
+    now = time.time()
+    # since when each card draws over its cap: started, kept or ended this round
+    since: dict[str, float | None] = {}
+    for status in statuses:
+        if status.managed and status.card is not None and not status.fenced:
+            before = (memory.over_cap_since.get(status.bdf) if state_dir is None else
+                      states[status.bdf].over_cap_since if status.bdf in states else None)
+            since[status.bdf] = (before or now) if _drawing_over_cap(config, status) else None
+    if state_dir is None:
+        memory.over_cap_since = {b: t for b, t in since.items() if t is not None}
     redo, force = set(), set()
     for status in statuses:
         if not status.managed or status.fenced or status.card is None:
@@ -459,7 +521,7 @@ def reconcile_once(
             resets = counts.get("reset_succeeded", 0) + counts.get("reset_begin", 0)
         reset_since = resets > memory.resets_seen.get(status.bdf, resets)
         memory.resets_seen[status.bdf] = resets
-        if _over_cap_too_long(config, status, memory):
+        if any(d.startswith(OVER_CAP_PREFIX) for d in status.drift):
             force.add(status.bdf)
         if status.drift or reset_since or status.bdf in force:
             redo.add(status.bdf)
@@ -471,16 +533,25 @@ def reconcile_once(
             for status in statuses:
                 if status.bdf in redo:
                     status.drift = [f"not re-applied: {exc}"] + (status.drift or ["reset since last round"])
-            _record_power(state_dir, statuses)
+            _record_power(state_dir, statuses, since)
             return statuses, []
         after = {c.bdf: c for c in report.cards}
-        for bdf in force:  # what made the round write the cap again: drift of this round
-            memory.over_cap_since.pop(bdf, None)
-            over = next(s for s in statuses if s.bdf == bdf)
-            after[bdf].drift.insert(0, f"drew {over.power_watts:g} W, over its {over.wanted_cap_watts} W cap by "
-                                       f"more than {config.cap_draw_margin_watts} W for "
-                                       f"{config.cap_draw_window_s:g} s: cap written again")
-        statuses = [after.get(s.bdf, s) for s in statuses]
-    else:
-        _record_power(state_dir, statuses)
+        merged = []
+        for status in statuses:
+            if status.bdf not in redo:
+                merged.append(status)
+            elif status.bdf not in after:  # it left the bus between the check and the re-apply
+                status.drift = ["not re-applied: card not found on this host (left the bus?)"] + status.drift
+                merged.append(status)
+            else:
+                fresh = after[status.bdf]
+                fresh.power_watts, fresh.healthy = status.power_watts, status.healthy
+                fresh.unhealthy_reason = status.unhealthy_reason
+                # what made the round write the cap again stays this round's drift
+                fresh.drift = [f"{d}: cap written again" for d in status.drift
+                               if d.startswith(OVER_CAP_PREFIX)] + fresh.drift
+                merged.append(fresh)
+        statuses = merged
+    # one record per round, of the very drift the caller prints
+    _record_power(state_dir, statuses, since)
     return statuses, sorted(redo)

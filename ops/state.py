@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -101,6 +103,9 @@ class CardState:
     power_ok: bool | None = None
     power_drift: list[str] = field(default_factory=list)
     power_checked_at: float | None = None
+    # unix time since when the card draws more than its cap + margin while the cap reads right
+    # (reconcile keeps it; every reader derives the same over-cap drift from it)
+    over_cap_since: float | None = None
     updated_at: float | None = None
     version: int = SCHEMA_VERSION
 
@@ -174,7 +179,7 @@ class _SeenLog:
     def load(self, legacy: list[str], last: list[str]) -> list[str]:
         """Every id counted so far: the file's, the JSON's older list, the JSON's last ones."""
         try:
-            pieces = self.path.read_bytes().decode("utf-8", "replace").split("\n")
+            pieces = _read_nofollow(self.path).decode("utf-8", "replace").split("\n")
         except FileNotFoundError:
             pieces = [""]
         ids = [x for x in pieces[:-1] if x]  # the last piece lacks its newline: empty or torn
@@ -243,14 +248,29 @@ def card_state_path(state_dir: str | os.PathLike, bdf: str) -> Path:
     return cards_dir(state_dir) / f"{bdf}.json"
 
 
+def _read_nofollow(path: Path) -> bytes:
+    """A state file's bytes; a symlink planted in its place is refused (ELOOP), never followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _load_card_file(path: Path) -> CardState:
     """One card file; FileNotFoundError when absent, StateFileError when present but unreadable."""
     try:
-        raw = path.read_bytes()
+        raw = _read_nofollow(path)
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise StateFileError(path, exc.strerror or str(exc)) from None
+        why = "a symlink (refused)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise StateFileError(path, why) from None
     try:
         state = CardState.from_json(json.loads(raw.decode("utf-8")))
     except (UnicodeDecodeError, ValueError, TypeError) as exc:
@@ -272,9 +292,12 @@ class CardStates(dict):
     """{BDF: CardState} plus ``corrupt``: {BDF: reason} for card files that exist but cannot be
     read. A card in ``corrupt`` must be treated as unhealthy (its file may say it is fenced)."""
 
-    def __init__(self, states: dict[str, CardState] | None = None, corrupt: dict[str, str] | None = None):
+    def __init__(self, states: dict[str, CardState] | None = None, corrupt: dict[str, str] | None = None,
+                 untrusted: str | None = None):
         super().__init__(states or {})
         self.corrupt: dict[str, str] = dict(corrupt or {})
+        # why the state dir cannot be trusted (others can write it); every card file is then corrupt
+        self.untrusted = untrusted
 
     def unhealthy(self) -> dict[str, str]:
         """{BDF: reason} for every card not to place work on: fenced ones and corrupt files."""
@@ -296,7 +319,11 @@ def read_card_states(state_dir: str | os.PathLike) -> CardStates:
     directory = cards_dir(state_dir)
     if not directory.is_dir():
         return out
+    out.untrusted = state_dir_problem(state_dir)
     for path in sorted(directory.glob("*.json")):
+        if out.untrusted:  # a forged `healthy: true` must not un-fence: fail closed
+            out.corrupt[path.stem] = f"not trusted: {out.untrusted}"
+            continue
         try:
             state = _load_card_file(path)
         except FileNotFoundError:
@@ -306,6 +333,24 @@ def read_card_states(state_dir: str | os.PathLike) -> CardStates:
             continue
         out[state.bdf] = state
     return out
+
+
+def state_dir_problem(state_dir: str | os.PathLike) -> str | None:
+    """Why root must not trust the state dir, or None: it, its ``cards/`` and every directory
+    above it must be writable by root alone (a root-owned sticky parent such as /tmp is fine).
+    Anyone who can write there can forge ``healthy: true`` (un-fence a card) or plant symlinks.
+    Checked only when running as root: a user's own state dir is that user's business."""
+    if os.geteuid() != 0:
+        return None
+    from r9k.ops.config import _replaceable  # config imports this module
+
+    for directory in (Path(state_dir), cards_dir(state_dir)):
+        if not os.path.lexists(directory):
+            continue
+        problem = _replaceable(directory, "ops state")
+        if problem:
+            return problem
+    return None
 
 
 @dataclass
@@ -361,11 +406,12 @@ def host_events_path(state_dir: str | os.PathLike) -> Path:
 def _load_host_file(state_dir: str | os.PathLike) -> dict[str, Any]:
     path = host_events_path(state_dir)
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(_read_nofollow(path).decode("utf-8"))
     except FileNotFoundError:
         return {"events": {}, "positions": {}, "seen_ids": []}
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise StateFileError(path, str(exc).splitlines()[0][:200]) from None
+        why = "a symlink (refused)" if getattr(exc, "errno", None) == errno.ELOOP else str(exc)
+        raise StateFileError(path, why.splitlines()[0][:200] if why else type(exc).__name__) from None
     if not isinstance(data, dict) or not isinstance(data.get("events"), dict):
         raise StateFileError(path, "expected an object with an 'events' mapping")
     data.setdefault("positions", {})
@@ -384,11 +430,21 @@ def read_host_events(state_dir: str | os.PathLike) -> list[HostEvent]:
 
 
 def record_host_event(state_dir: str | os.PathLike, event_type: str, message: str, stream: str,
-                      ordinal: int, record_id: str | None = None) -> bool:
+                      ordinal: int, record_id: str | None = None,
+                      on_corrupt: Callable[[str], None] | None = None) -> bool:
     """Count one unattributed event exactly once (same identity rules as cards); True when new.
-    Written atomically under the state-dir lock, like the card files."""
+    Written atomically under the state-dir lock, like the card files. A corrupt file is kept
+    aside as ``host-events.json.corrupt-<ns>`` and counting starts over (``on_corrupt`` is told),
+    as for card files: one torn write must not stop the watcher at every later fault."""
     with _locked(state_dir):
-        data = _load_host_file(state_dir)
+        try:
+            data = _load_host_file(state_dir)
+        except StateFileError as exc:
+            kept = keep_corrupt(host_events_path(state_dir))
+            if on_corrupt:
+                on_corrupt(f"{exc.path}: unreadable ({exc.reason}); kept as {kept.name}, host events "
+                           "counted from zero")
+            data = _load_host_file(state_dir)
         seen_log = _SeenLog(Path(state_dir) / HOST_SEEN_FILE)
         seen_ids = seen_log.load(data.pop("seen_ids"), data.get("last_seen_ids") or [])
         seen_log.settle()
@@ -413,9 +469,51 @@ def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
     _atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), durable)
 
 
+# Temporary names of our writes: `.<name>.<mkstemp suffix>.r9k-tmp` (see clean_stale_temp_files).
+_TMP_SUFFIX = ".r9k-tmp"
+_STALE_TMP_S = 600.0
+# what mkstemp made of our file names before the suffix was added
+_LEGACY_TMP = re.compile(r"^\.(?:[0-9a-f:.]+\.(?:json|seen)|host-events\.(?:json|seen)|watch-cursor\.json"
+                         r"|write-probe)\.[a-z0-9_]{8}$")
+
+
+def keep_corrupt(path: Path) -> Path:
+    """Move an unreadable state file aside under a name no other file has (ns time, then a
+    counter: two in one second must not overwrite the first kept copy)."""
+    stamp = time.time_ns()
+    for n in range(1000):
+        kept = path.with_name(f"{path.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+        if not os.path.lexists(kept):
+            os.rename(path, kept)  # callers hold the state-dir lock
+            return kept
+    raise FileExistsError(errno.EEXIST, f"no free name to keep {path} aside")
+
+
+def clean_stale_temp_files(state_dir: str | os.PathLike, older_than_s: float = _STALE_TMP_S) -> list[Path]:
+    """Remove temporary files of our own naming that a killed write left behind (older than
+    ``older_than_s``: a write in progress in another process is never touched)."""
+    removed = []
+    now = time.time()
+    for directory in (Path(state_dir), cards_dir(state_dir)):
+        try:
+            candidates = [p for p in directory.iterdir()  # ours alone: `.` + our name + mkstemp's 8
+                          if p.name.endswith(_TMP_SUFFIX) or _LEGACY_TMP.match(p.name)]
+        except OSError:
+            continue
+        for path in candidates:
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than_s:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+    return removed
+
+
 def _atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -434,9 +532,15 @@ HEARTBEAT_FILE = "watch-heartbeat"  # its mtime: when the watcher last finished 
 
 
 def beat(state_dir: str | os.PathLike) -> None:
-    """The watcher's heartbeat: touch the file (no fsync; a missed beat is what the alert is for)."""
+    """The watcher's heartbeat: touch the file (no fsync; a missed beat is what the alert is for).
+    O_NOFOLLOW: a planted symlink must not make root create or touch the file it points to."""
     with contextlib.suppress(OSError):
-        (Path(state_dir) / HEARTBEAT_FILE).touch()
+        fd = os.open(Path(state_dir) / HEARTBEAT_FILE,
+                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
 
 
 def last_heartbeat(state_dir: str | os.PathLike) -> float | None:
@@ -449,10 +553,12 @@ def last_heartbeat(state_dir: str | os.PathLike) -> float | None:
 
 def write_probe(state_dir: str | os.PathLike) -> None:
     """Create the state dir if needed and write, sync and remove a file in it and in cards/:
-    raises OSError (read-only, full, not permitted) where a later fault record would fail."""
+    raises OSError (read-only, full, not permitted) where a later fault record would fail.
+    Temporary files a killed write left there are removed first."""
+    clean_stale_temp_files(state_dir)
     for directory in (Path(state_dir), cards_dir(state_dir)):
         directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", suffix=_TMP_SUFFIX, dir=directory)
         try:
             os.write(fd, b"ok\n")
             os.fsync(fd)
@@ -482,7 +588,7 @@ def update_card_state(
     """Read-modify-write one card's state under the state-dir lock (watcher and reconcile share it).
 
     A corrupt file raises StateFileError and is left alone, unless ``replace_corrupt``: then it is
-    kept as ``<BDF>.json.corrupt-<unix seconds>`` and ``change`` applies to a fresh state that starts
+    kept as ``<BDF>.json.corrupt-<unix ns>`` and ``change`` applies to a fresh state that starts
     unhealthy (the lost file may have said the card was fenced)."""
     path = card_state_path(state_dir, bdf)
     with _locked(state_dir):
@@ -491,8 +597,7 @@ def update_card_state(
         except StateFileError as exc:
             if not replace_corrupt:
                 raise
-            kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-            os.replace(path, kept)
+            kept = keep_corrupt(path)
             state = CardState(bdf=bdf, healthy=False, unhealthy_since=time.time(),
                               unhealthy_reason=f"ops state file was unreadable ({exc.reason}); kept as {kept.name}")
         seen_log = _SeenLog(path.with_name(f"{bdf}.seen"))

@@ -73,7 +73,14 @@ def env_line(env_file: str | None, why: str) -> str:
 
 def env_file_problem(path: str, names: list[str]) -> str | None:
     """Why systemd's EnvironmentFile ``path`` cannot give a service ``names``, or None: it must
-    exist, be root-owned and readable by root alone (it holds a secret), and set each name."""
+    exist, be root-owned and readable by root alone (it holds a secret), set each name, and be
+    in directories only root can write, as written and through links (anyone who can write one
+    could replace it with a file of their own, read by root units)."""
+    from r9k.ops.config import _replaceable
+
+    problem = _replaceable(Path(path), "EnvironmentFile")
+    if problem and os.path.exists(path):
+        return f"{path}: {problem}"
     try:
         st = os.stat(path)
         text = Path(path).read_text()

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from r9k.ops import sysfs
-from r9k.ops.config import hook_problem
+from r9k.ops.config import HOOK_CWD, hook_problem
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
     DEFAULT_FAULT_EVENTS, LastEvent, atomic_write_json, beat, cap_message, read_card_states,
@@ -138,6 +138,7 @@ class FileSource:
         self.chain = ""
         self.check: str | None = None
         self.gaps: list[str] = []
+        self._before: tuple[int, str] = (0, "")  # offset and chain just before the last line read
         resume = resume or {}
         if isinstance(resume.get("offset"), int) and isinstance(resume.get("chain"), str):
             self.offset, self.chain, self.check = resume["offset"], resume["chain"], resume.get("check")
@@ -169,6 +170,7 @@ class FileSource:
                 self.offset, self.chain = 0, ""
             fh.seek(self.offset)
             for offset, text, end in iter_records(fh, self.offset, final):
+                self._before = (offset, self.chain)
                 self.chain = _chain(self.chain, text)
                 self.offset = end
                 line = _parse_any(text, self.stream, offset, self.chain)
@@ -178,6 +180,10 @@ class FileSource:
 
     def position(self) -> dict[str, Any]:
         return {"offset": self.offset, "chain": self.chain, "check": self.check}
+
+    def position_before(self) -> dict[str, Any]:
+        """Where to resume to read the last line again (no tail check: it was taken mid-file)."""
+        return {"offset": self._before[0], "chain": self._before[1], "check": None}
 
     def close(self) -> None:
         pass
@@ -193,6 +199,7 @@ class KmsgSource:
         self.stream = f"kmsg:{boot or 'unknown-boot'}"
         resume = resume or {}
         self.last_seq: int | None = resume.get("seq") if resume.get("stream") == self.stream else None
+        self._before_seq = self.last_seq
         self.gaps: list[str] = []
         self._is_device = stat.S_ISCHR(os.stat(self.path).st_mode)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
@@ -230,11 +237,14 @@ class KmsgSource:
                     continue
                 if line.ordinal > self.last_seq + 1:
                     self.gaps.append(f"kmsg: {line.ordinal - self.last_seq - 1} records lost after seq {self.last_seq}")
-            self.last_seq = line.ordinal
+            self._before_seq, self.last_seq = self.last_seq, line.ordinal
             yield line
 
     def position(self) -> dict[str, Any]:
         return {"stream": self.stream, "seq": self.last_seq}
+
+    def position_before(self) -> dict[str, Any]:
+        return {"stream": self.stream, "seq": self._before_seq}
 
     def close(self) -> None:
         os.close(self._fd)
@@ -250,18 +260,14 @@ class JournalSource:
                  journalctl: str = "journalctl"):
         self.key = "journal"
         self.cursor = (resume or {}).get("cursor")
+        self._before_cursor = self.cursor
         self.gaps: list[str] = []
         self._buf = bytearray()
         self._follow = follow
+        self._host_root, self._journalctl = host_root, journalctl
+        # the saved cursor is on trial until journalctl hands out a record after it
+        self._cursor_on_trial = bool(self.cursor)
         self._start(journal_argv(host_root, follow, self.cursor, journalctl))
-        if self.cursor and self._failed_at_once():
-            # A cursor journalctl cannot seek to (rotated away, another machine's journal): read
-            # this boot from its start instead of failing every restart; the per-card positions
-            # keep what was counted counted once.
-            why = self._last_stderr_line()
-            self.gaps.append(f"journal: saved cursor unusable ({why}); read this boot from its start")
-            self.cursor = None
-            self._start(journal_argv(host_root, follow, None, journalctl))
 
     def _start(self, argv: list[str]) -> None:
         self.argv = argv
@@ -270,11 +276,21 @@ class JournalSource:
                                       stdin=subprocess.DEVNULL)
         os.set_blocking(self._proc.stdout.fileno(), False)
 
-    def _failed_at_once(self, wait_s: float = 1.0) -> bool:
-        try:
-            return self._proc.wait(timeout=wait_s) != 0
-        except subprocess.TimeoutExpired:
-            return False  # running (following, or a long read): the cursor worked
+    def _fall_back_from_cursor(self) -> bool:
+        """journalctl exited non-zero before handing out any record after the saved cursor, how
+        soon after starting does not matter (rotated away, another machine's journal, a slow
+        seek): read this boot from its start instead of failing every restart; the per-card
+        positions keep what was counted counted once. True when it started again."""
+        if not self._cursor_on_trial or self._proc.poll() in (None, 0):
+            return False
+        why = self._last_stderr_line()
+        self.gaps.append(f"journal: saved cursor unusable ({why}); read this boot from its start")
+        self._cursor_on_trial = False
+        self.cursor = self._before_cursor = None
+        self._stderr.close()
+        self._buf.clear()
+        self._start(journal_argv(self._host_root, self._follow, None, self._journalctl))
+        return True
 
     def _last_stderr_line(self) -> str:
         self._stderr.seek(0, os.SEEK_END)
@@ -307,18 +323,23 @@ class JournalSource:
                 self._buf.clear()
 
     def read(self, final: bool = False) -> Iterator[LogLine]:
-        for raw in self._lines(final):
-            text = raw.decode("utf-8", "replace")
-            line = parse_journal_json(text)
-            if line is None:
-                continue
-            try:
-                self.cursor = json.loads(text).get("__CURSOR", self.cursor)
-            except json.JSONDecodeError:
-                pass
-            yield line
-        if final and not self._follow:
-            self._proc.wait()
+        while True:
+            for raw in self._lines(final):
+                self._cursor_on_trial = False  # journalctl answered: the cursor was taken
+                text = raw.decode("utf-8", "replace")
+                line = parse_journal_json(text)
+                if line is None:
+                    continue
+                try:
+                    cursor = json.loads(text).get("__CURSOR", self.cursor)
+                except json.JSONDecodeError:
+                    cursor = self.cursor
+                self._before_cursor, self.cursor = self.cursor, cursor
+                yield line
+            if final and not self._follow:
+                self._proc.wait()
+            if not self._fall_back_from_cursor():
+                break
         self._check_exit()
 
     def _check_exit(self) -> None:
@@ -330,6 +351,9 @@ class JournalSource:
 
     def position(self) -> dict[str, Any]:
         return {"cursor": self.cursor}
+
+    def position_before(self) -> dict[str, Any]:
+        return {"cursor": self._before_cursor}
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -433,20 +457,28 @@ def run_hooks(hooks: list[list[str]], event: KernelEvent, timeout_s: float = 60.
             runs.append(HookRun(argv, None, f"not run: {problem}", event.bdf, event.type, 0.0))
             continue
         try:
-            # its own process group: a hook killed on timeout takes its children with it
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True)
-            try:
-                _, stderr = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                runs.append(HookRun(argv, None, f"timed out after {timeout_s:g} s (killed with its "
-                                    "process group)", event.bdf, event.type,
-                                    round(time.monotonic() - started, 3)))
-                continue
-            error = stderr.decode(errors="replace").strip()[-200:] or None if proc.returncode else None
+            # stderr to a file, not a pipe: a child that left the process group (setsid ... &)
+            # and kept stderr open would hold a pipe's EOF, and the reader, past the deadline
+            with tempfile.TemporaryFile() as stderr_file:
+                # its own process group: a hook killed on timeout takes its children with it
+                # cwd: the directory hook_problem judged relative words against
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=stderr_file, start_new_session=True, cwd=HOOK_CWD)
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    runs.append(HookRun(argv, None, f"timed out after {timeout_s:g} s (killed with its "
+                                        "process group)", event.bdf, event.type,
+                                        round(time.monotonic() - started, 3)))
+                    continue
+                error = None
+                if proc.returncode:
+                    size = os.fstat(stderr_file.fileno()).st_size
+                    tail = os.pread(stderr_file.fileno(), 4096, max(0, size - 4096))
+                    error = tail.decode(errors="replace").strip()[-200:] or None
             runs.append(HookRun(argv, proc.returncode, error, event.bdf, event.type,
                                 round(time.monotonic() - started, 3)))
         except OSError as exc:
@@ -469,8 +501,11 @@ class Watcher:
         on_hook: Callable[[HookRun], None] | None = None,
         trust_syslog_kernel_tag: bool = False,
         on_warning: Callable[[str], None] | None = None,
+        heartbeat: bool = True,
     ):
         self.source = source
+        # only a following watcher beats: a one-shot run must not make a dead one look alive
+        self.heartbeat = heartbeat
         self.state_dir = state_dir
         self.hooks = hooks or []
         self.hook_timeout_s = hook_timeout_s
@@ -486,6 +521,10 @@ class Watcher:
         # When the state dir stops taking writes (full, remounted read-only), faults are still
         # contained from memory: each event counted once, each card fenced (hooks) once.
         self._unsaved_seen: set[tuple] = set()
+        # events the state dir did not take, tried again at every poll; until all are saved the
+        # log position saved stays before the first of them, so a restart reads it again
+        self._unsaved_events: list[tuple[KernelEvent, bool]] = []
+        self._pinned_position: dict[str, Any] | None = None
         self._fenced = {b for b, st in states.items() if not st.healthy}
         self.cursor_error: str | None = None
         # the log position last written: an idle poll (nothing read) writes nothing durable
@@ -504,6 +543,7 @@ class Watcher:
 
     def poll(self, final: bool = False) -> list[Seen]:
         seen = []
+        self._save_unsaved()
         for line in self.source.read(final):
             if line.syslog_tagged:
                 self._warn_syslog()
@@ -514,9 +554,14 @@ class Watcher:
                     continue
             event = self.classifier.classify(line)
             if event is not None:
-                seen.append(self._handle(event))
+                item = self._handle(event)
+                seen.append(item)
+                if item.unsaved and item.new:
+                    self._unsaved_events.append((event, item.fault))
+                    if self._pinned_position is None:
+                        self._pinned_position = self.source.position_before()
         if self.state_dir is not None:
-            position = self.source.position()
+            position = self._pinned_position or self.source.position()
             if position != self._saved_position:
                 cursors = load_cursors(self.state_dir)
                 cursors[self.source.key] = position
@@ -526,8 +571,28 @@ class Watcher:
                     self.cursor_error = None
                 except OSError as exc:  # a restart re-reads; saved events say "already counted"
                     self.cursor_error = f"log position not saved to {self.state_dir}: {exc.strerror or exc}"
-            beat(self.state_dir)
+            if self.heartbeat:
+                beat(self.state_dir)
         return seen
+
+    def _save_unsaved(self) -> None:
+        """Try again to record the events the state dir did not take (contained from memory
+        meanwhile; their hooks already ran); once all are in, the log position may move on."""
+        if not self._unsaved_events:
+            return
+        left = []
+        for event, fault in self._unsaved_events:
+            if event.bdf is None:
+                try:
+                    record_host_event(self.state_dir, event.type, event.message, event.stream, event.ordinal,
+                                      event.record_id, on_corrupt=self.on_warning)
+                except OSError:
+                    left.append((event, fault))
+            elif self._count_for_card(event, fault, hooks=False).unsaved:
+                left.append((event, fault))
+        self._unsaved_events = left
+        if not left:
+            self._pinned_position = None
 
     def _warn_syslog(self) -> None:
         if self._syslog_warned:
@@ -560,7 +625,7 @@ class Watcher:
         elif event.bdf is None:
             try:
                 new = record_host_event(self.state_dir, event.type, event.message, event.stream,
-                                        event.ordinal, event.record_id)
+                                        event.ordinal, event.record_id, on_corrupt=self.on_warning)
                 item = Seen(event, new=new, fault=fault, host=True)
             except OSError as exc:
                 item = Seen(event, new=self._first_unsaved(event), fault=fault, host=True,
@@ -571,7 +636,7 @@ class Watcher:
             self.on_event(item)
         return item
 
-    def _count_for_card(self, event: KernelEvent, fault: bool) -> Seen:
+    def _count_for_card(self, event: KernelEvent, fault: bool, hooks: bool = True) -> Seen:
         new = fenced_now = False
 
         def change(state):
@@ -600,7 +665,7 @@ class Watcher:
             unsaved = self._unsaved(exc)
             new = self._first_unsaved(event)
             fenced_now = fault and new and event.bdf not in self._fenced
-        if fenced_now:
+        if fenced_now and hooks:
             self._fenced.add(event.bdf)
             if self.hooks:
                 self._start_hooks(event)

@@ -150,20 +150,28 @@ def test_bad_host_root_is_bad_input(tmp_path):
     assert result.exit_code == 2 and "no sys/ directory" in result.output
 
 
-def test_unreadable_cap_range_is_reported_and_nothing_written(tmp_path):
+def test_a_card_without_a_cap_range_keeps_its_cap_and_gets_its_offset(tmp_path):
+    """A card that declares no cap range: its cap is never written (not settable, reported), its
+    valid voltage offset is applied, and apply does not wait for a range that cannot appear."""
+    import time
+
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     (fixtures.hwmon_dir(host, A) / "power1_cap_max").unlink()
+    started = time.monotonic()
     with FakeKernel(host):
-        result = _cli(tmp_path, host, "apply", "--wait-seconds", "0.2", "--settle-seconds", "1")
+        result = _cli(tmp_path, host, "apply", "--wait-seconds", "20", "--settle-seconds", "1")
+    assert time.monotonic() - started < 10, "apply waited for a cap range the card does not have"
     assert result.exit_code == 1
-    assert "0000:03:00.0 cap 300/210 W" in result.output and "power cap range not readable yet" in result.output
+    assert "0000:03:00.0 cap 300/None W offset -42/-42 mV DRIFT: refused" in result.output
+    assert "power_cap_watts 210 not settable: the card declares no power cap range" in result.output
     assert read_cap_watts(host, A) == 300.0 and read_cap_watts(host, B) == 210.0
+    assert fixtures.read_od_offset_mv(host, A) == -42
 
 
 def test_config_path_that_cannot_be_read_is_bad_input(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     result = CliRunner().invoke(main, ["ops", "status", "--config", str(tmp_path), "--host-root", str(host)])
-    assert result.exit_code == 2 and "cannot read config" in result.output
+    assert result.exit_code == 2 and "is a directory; expected a regular file" in result.output
 
 
 def test_retry_backs_off_until_the_card_answers():
