@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from doubles.ops_host import CardSpec, build_host_tree, device_dir
-from r9k.monitoring.energy import EnergyMeter
+from r9k.monitoring.energy import EnergyCollector
+from r9k.ops.energy import EnergyMeter, EnergyWindow
 
 A, B, C = "0000:03:00.0", "0000:04:00.0", "0000:05:00.0"
 
@@ -133,7 +134,7 @@ def test_the_integral_matches_the_trapezoid_sum_and_never_decreases(tmp_path_fac
     clock = Clock()
     meter = EnergyMeter(str(root), sample_hz=1.0, host="h1", clock=clock)
     expected = gaps = 0.0
-    previous = None
+    previous = None   # (watts, clock time) of the sample before
     last_joules = 0.0
     for watts, dt in steps:
         _set_power(root, A, watts)
@@ -142,12 +143,13 @@ def test_the_integral_matches_the_trapezoid_sum_and_never_decreases(tmp_path_fac
         assert joules >= last_joules
         last_joules = joules
         if previous is not None:
-            p_watts, p_dt = previous
-            if p_dt <= 3.0:
-                expected += (watts + p_watts) / 2 * p_dt
+            p_watts, p_t = previous
+            span = clock.t - p_t   # as the meter sees it (float sums, not the drawn dt)
+            if span <= 3.0:
+                expected += (watts + p_watts) / 2 * span
             else:
-                gaps += p_dt
-        previous = (watts, dt)
+                gaps += span
+        previous = (watts, clock.t)
         clock.t += dt
     card = _by_bdf(meter)[A]
     assert card.joules == pytest.approx(expected, rel=1e-9, abs=1e-6)
@@ -177,9 +179,24 @@ def test_the_metrics_name_host_card_source_and_rate(tmp_path):
         meter.sample_once()
         clock.t += 0.5
     registry = CollectorRegistry()
-    registry.register(meter)
+    registry.register(EnergyCollector(meter))
     text = generate_latest(registry).decode()
     assert f'r9k_gpu_energy_joules_total{{bdf="{A}",host="gpu-host-1"}} 100.0' in text
     assert f'r9k_gpu_energy_source_info{{bdf="{A}",host="gpu-host-1",source="power1_average"}} 1.0' in text
     assert "r9k_gpu_energy_sample_rate_hz 2.0" in text
     assert f'r9k_gpu_energy_gap_seconds_total{{bdf="{A}",host="gpu-host-1"}} 0.0' in text
+
+
+def test_an_energy_window_measures_its_cards_or_says_not_measured(tmp_path):
+    root = build_host_tree(tmp_path, [CardSpec(A, power_draw_watts=100),
+                                      CardSpec(B, power_files=(), power_draw_watts=50)])
+    meter = EnergyMeter(str(root), sample_hz=50.0, host="h1").start()
+    try:
+        with EnergyWindow(meter, [A]) as measured:
+            time.sleep(1.0)
+        with EnergyWindow(meter, [B]) as unreadable:
+            time.sleep(0.2)
+    finally:
+        meter.stop()
+    assert measured.measured and abs(measured.watts - 100) < 2
+    assert not unreadable.measured and unreadable.watts is None
