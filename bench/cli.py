@@ -503,3 +503,91 @@ def paired(stock_samples: Path, onepage_samples: Path, metric: str, filter_name:
                    f"no significant difference at alpha {alpha}")
     if res["significant"] or res["unpaired_a"] or res["unpaired_b"]:
         raise SystemExit(1)
+
+
+# `r9k ops sweep` lives here (it drives the bench client, above ops in the layers); the CLI root
+# attaches it to the ops group.
+@click.command("sweep")
+@click.option("--card", "bdf", required=True, help="the card (PCI address) whose cap is stepped")
+@click.option("--replica", "replica_url", required=True,
+              help="a running replica on that card (not a fleet one), e.g. http://127.0.0.1:8100")
+@click.option("--model", default=None, help="model id (default: the replica's)")
+@click.option("--caps", default="210,240,270,300", show_default=True,
+              help="caps to step through, watts; each inside the card's declared range")
+@click.option("--concurrency", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("--hold-s", type=FiniteFloat(min=1, max=3600), default=60, show_default=True,
+              help="measured seconds per cap")
+@click.option("--warmup-s", type=FiniteFloat(min=0, max=600), default=10, show_default=True,
+              help="seconds of load after each cap change before measuring")
+@click.option("--prompt-chars", type=click.IntRange(1, 100_000), default=256, show_default=True)
+@click.option("--output-tokens", type=click.IntRange(1, 100_000), default=256, show_default=True)
+@click.option("--sample-hz", type=FiniteFloat(min=0.1, max=100), default=5, show_default=True,
+              help="power samples per second during the sweep")
+@click.option("--config", "config_path", default="/etc/r9k/ops.yaml", show_default=True,
+              envvar="R9K_OPS_CONFIG", help="ops config: the cap to restore, the backend")
+@click.option("--backend", type=click.Choice(["lact", "sysfs"]), default=None,
+              help="override the config's backend")
+@click.option("--host-root", default="/", show_default=True, envvar="R9K_HOST_ROOT",
+              type=click.Path(file_okay=False))
+@click.option("--host-name", default=None, help="this host's name in the fleet (default: hostname)")
+@click.option("--fleet", "fleet_url", default=None,
+              help="the fleet's entry point to check (env R9K_FLEET_URL; default "
+                   "http://127.0.0.1:8000 when it answers)")
+@click.option("--drain", is_flag=True, help="drain the card's fleet replica first (it stays "
+              "drained until `r9k fleet undrain`)")
+@click.option("--out-dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="where power-sweep_<card>_<date>.json and .png go")
+@click.option("--json", "as_json", is_flag=True)
+def ops_sweep(bdf, replica_url, model, caps, concurrency, hold_s, warmup_s, prompt_chars,
+              output_tokens, sample_hz, config_path, backend, host_root, host_name, fleet_url,
+              drain, out_dir, as_json) -> None:
+    """Step a card's power cap, hold a fixed load at each, and say which cap costs the fewest
+    joules per token; the configured cap is restored at the end, on failure and on a signal.
+
+    Exit codes: 0 done, 1 a step failed or a signal ended it (the cap restored), 2 refused
+    (nothing changed)."""
+    import socket
+
+    from r9k.bench import sweep
+    from r9k.ops.config import ConfigError, load_config
+    from r9k.ops.state import BDF_RE
+    from r9k.ops.sysfs import discover_cards
+
+    if not BDF_RE.match(bdf):
+        raise BadInput(f"--card {bdf!r}: expected a full PCI address like 0000:03:00.0")
+    if not (Path(host_root) / "sys").is_dir():
+        raise BadInput(f"--host-root {host_root}: no sys/ directory under it (expected / or a host tree)")
+    try:
+        cap_list = sweep.parse_caps(caps)
+        config = load_config(config_path)
+    except (sweep.SweepRefused, ConfigError) as exc:
+        raise BadInput(str(exc)) from None
+    host = host_name or socket.gethostname()
+    base, model, _ = resolve_endpoint(replica_url, model)
+    explicit = fleet_url is not None or bool(os.environ.get("R9K_FLEET_URL"))
+    url = fleet_url or sweep.default_fleet_url()[0]
+    progress = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
+    try:
+        card = next((c for c in discover_cards(host_root, enrich=False) if c.bdf == bdf), None)
+        if card is None:
+            raise sweep.SweepRefused(f"--card {bdf}: no amdgpu card there on this host")
+        sweep.check_caps(card, cap_list)
+        note = sweep.check_fleet(url, explicit, host, bdf, base, drain,
+                                 os.environ.get("R9K_FLEET_API_KEY"))
+        result = sweep.run_sweep(config=config, host_root=host_root, bdf=bdf, caps=cap_list,
+                                 base=base, model=model, concurrency=concurrency, hold_s=hold_s,
+                                 warmup_s=warmup_s, prompt_chars=prompt_chars,
+                                 output_tokens=output_tokens, sample_hz=sample_hz,
+                                 backend=backend, host=host, fleet_note=note, progress=progress)
+    except sweep.SweepRefused as exc:
+        raise BadInput(str(exc)) from None
+    json_path, png = sweep.write(result, Path(out_dir))
+    if as_json:
+        click.echo(json.dumps({**result.to_json(), "json": str(json_path),
+                               "plot": str(png) if png else None}, indent=1))
+    else:
+        click.echo(sweep.table(result))
+        click.echo(f"wrote {json_path}" + (f" and {png}" if png else
+                                           " (no plot: matplotlib is not installed, the 'plot' extra)"))
+    if result.stopped or not result.restored:
+        sys.exit(1)

@@ -22,6 +22,29 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "r9k.bench.cli:bench",
 }
 
+# commands of one group that live in a higher layer (name in group -> "module:attribute"):
+# `r9k ops sweep` drives the bench client, which ops itself may not import
+NESTED: dict[str, dict[str, str]] = {
+    "ops": {"sweep": "r9k.bench.cli:ops_sweep"},
+}
+NESTED_HELP = {("ops", "sweep"): "Step a card's power cap under a fixed load; joules per token "
+               "at each cap (the configured cap restored after)."}
+
+
+class _LazyCommand(click.Command):
+    """A subcommand imported when it runs (its module may need an extra the group does not)."""
+
+    def __init__(self, name: str, target: str, help_text: str) -> None:
+        super().__init__(name, short_help=help_text, help=help_text, add_help_option=False)
+        self.target = target
+
+    def _load(self) -> click.Command:
+        module_name, attr = self.target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        return self._load().make_context(info_name, args, parent=parent, **extra)
+
 
 # a package an extra installs -> the extra (`pip install 'r9700-stack[EXTRA]'`); a subcommand
 # with an extra of its own names that one (aiohttp and psutil are in fleet and bench)
@@ -64,7 +87,12 @@ class LazyGroup(click.Group):
             if exc.name == module_name:
                 return None  # component not built yet
             raise _missing_extra(name, exc) from None
-        return getattr(module, attr)
+        command = getattr(module, attr)
+        if isinstance(command, click.Group):
+            for sub, sub_target in NESTED.get(name, {}).items():
+                if sub not in command.commands:
+                    command.add_command(_LazyCommand(sub, sub_target, NESTED_HELP[(name, sub)]))
+        return command
 
 
 def _missing_extra(command: str, exc: ModuleNotFoundError) -> Exception:

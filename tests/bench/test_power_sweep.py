@@ -1,0 +1,180 @@
+"""`r9k ops sweep` on a fixture host with a replica double whose speed follows the cap: the table,
+JSON and plot, the cap file restored byte for byte, and every refusal leaving the card as it was
+(a step outside the declared range, no declared range, a fleet replica on the card, SIGTERM
+mid-sweep)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+
+from doubles.entry_fleet import LoopServers
+from doubles.ops_host import CardSpec, build_host_tree, device_dir
+from doubles.power_replica import PowerReplica
+from r9k.cli import main
+
+BDF = "0000:03:00.0"
+
+
+@pytest.fixture
+def host(tmp_path):
+    root = build_host_tree(tmp_path / "host", [CardSpec(BDF, cap_watts=210, cap_min_watts=150,
+                                                        cap_max_watts=300, power_files=("average",))])
+    config = tmp_path / "ops.yaml"
+    config.write_text("backend: sysfs\ndefaults:\n  power_cap_watts: 210\n")
+    hwmon = next((device_dir(root, BDF) / "hwmon").glob("hwmon*"))
+    return root, config, hwmon
+
+
+def _sweep(root, config, replica, *extra, fleet=None, out=None):
+    """Without `fleet`, the default fleet URL is tried (nothing answers there: no fleet)."""
+    args = ["ops", "sweep", "--card", BDF, "--replica", replica, "--host-root", str(root),
+            "--config", str(config), "--host-name", "h1", *extra]
+    if fleet is not None:
+        args += ["--fleet", fleet]
+    if out is not None:
+        args += ["--out-dir", str(out)]
+    return CliRunner().invoke(main, args, env={"R9K_FLEET_URL": ""})
+
+
+def test_a_sweep_measures_each_cap_and_restores_the_configured_one(host, tmp_path):
+    root, config, hwmon = host
+    before = (hwmon / "power1_cap").read_text()
+    with PowerReplica(hwmon) as replica:
+        result = CliRunner().invoke(main, [
+            "ops", "sweep", "--card", BDF, "--replica", replica.url, "--host-root", str(root),
+            "--config", str(config), "--caps", "210,240,270,300", "--hold-s", "1.5",
+            "--warmup-s", "0.3", "--concurrency", "2", "--output-tokens", "40", "--sample-hz", "50",
+            "--out-dir", str(tmp_path / "out"), "--json"], env={"R9K_FLEET_URL": ""})
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    steps = doc["steps"]
+    assert [s["cap_watts"] for s in steps] == [210, 240, 270, 300]
+    assert [s["cap_read_watts"] for s in steps] == [210, 240, 270, 300]
+    speeds = [s["tokens_per_s"] for s in steps]
+    assert all(b > 1.05 * a for a, b in zip(speeds, speeds[1:])), speeds  # speed follows the cap
+    for s in steps:   # under load the double draws its cap
+        assert s["token_source"] == "vllm:generation_tokens_total"
+        assert abs(s["watts"] - s["cap_watts"]) / s["cap_watts"] < 0.05
+        assert s["joules_per_token"] == pytest.approx(s["watts"] / s["tokens_per_s"], rel=1e-6)
+    assert doc["most_efficient_cap_watts"] == 300   # watts / (watts - 100) falls with the cap
+    assert doc["restored"] and doc["stopped"] is None
+    assert doc["cap_file_before"] == before.strip() == doc["cap_file_after"] == "210000000"
+    assert (hwmon / "power1_cap").read_text() == before
+    assert os.path.getsize(doc["plot"]) > 10_000 and json.loads(open(doc["json"]).read())["steps"]
+    assert doc["date"] and "commit" in doc
+
+
+def test_the_text_table_names_the_most_efficient_cap_and_the_restore(host, tmp_path):
+    root, config, hwmon = host
+    with PowerReplica(hwmon) as replica:
+        result = _sweep(root, config, replica.url, "--caps", "210,300", "--hold-s", "1",
+                        "--warmup-s", "0.2", "--output-tokens", "30", "--sample-hz", "50",
+                        out=tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "<- fewest joules per token" in result.output
+    assert "power1_cap before 210000000 uW, after 210000000 uW: restored to 210 W" in result.output
+
+
+@pytest.mark.parametrize("caps,needle", [
+    ("210,400", "--caps: 400 W is outside 0000:03:00.0's declared range 150-300 W"),
+    ("100", "--caps: 100 W is outside"),
+    ("210,abc", "'abc' is not a whole number of watts"),
+    ("210,210", "a cap is given twice"),
+])
+def test_a_step_the_card_does_not_declare_valid_is_refused_before_anything_changes(host, caps, needle):
+    root, config, hwmon = host
+    before = (hwmon / "power1_cap").read_text()
+    with PowerReplica(hwmon) as replica:
+        result = _sweep(root, config, replica.url, "--caps", caps)
+    assert result.exit_code == 2 and needle in result.output
+    assert (hwmon / "power1_cap").read_text() == before and replica.generated == 0
+
+
+def test_a_card_without_a_declared_range_is_refused(host):
+    root, config, hwmon = host
+    (hwmon / "power1_cap_min").unlink()
+    with PowerReplica(hwmon) as replica:
+        result = _sweep(root, config, replica.url, "--caps", "210")
+    assert result.exit_code == 2 and "declares no power cap range" in result.output
+
+
+def _fleet(servers, replica_url, drained):
+    async def status(request):
+        replicas = [] if drained else [{"name": "tiny-0", "url": replica_url, "state": "ready",
+                                        "cards": [BDF], "host": "h1"}]
+        return web.json_response({"replicas": replicas, "cards": [
+            {"bdf": BDF, "host": "h1", "replica": None if drained else "tiny-0"}]})
+
+    async def drain(request):
+        drained.append(await request.json())
+        return web.json_response({"card": f"h1/{BDF}", "drained": ["tiny-0"]})
+
+    app = web.Application()
+    app.router.add_get("/fleet/status", status)
+    app.router.add_post("/fleet/drain", drain)
+    return servers.app(app)
+
+
+def test_a_card_serving_fleet_traffic_is_refused_unless_drained_first(host, tmp_path):
+    root, config, hwmon = host
+    before = (hwmon / "power1_cap").read_text()
+    servers = LoopServers()
+    drained: list = []
+    try:
+        with PowerReplica(hwmon) as replica, PowerReplica(hwmon) as own:
+            fleet = _fleet(servers, replica.url, drained)
+            refused = _sweep(root, config, own.url, "--caps", "210", fleet=fleet)
+            assert refused.exit_code == 2
+            assert f"h1/{BDF} runs fleet replica tiny-0: drain it first" in refused.output
+            as_fleet = _sweep(root, config, replica.url, "--caps", "210", fleet=fleet)
+            assert as_fleet.exit_code == 2 and "is fleet replica tiny-0" in as_fleet.output
+            assert (hwmon / "power1_cap").read_text() == before and not drained
+            done = _sweep(root, config, own.url, "--caps", "240", "--drain", "--hold-s", "1",
+                          "--warmup-s", "0.2", "--output-tokens", "20", fleet=fleet,
+                          out=tmp_path / "out")
+            assert done.exit_code == 0, done.output
+            assert drained == [{"card": BDF, "host": "h1", "reason": "power sweep"}]
+    finally:
+        servers.close()
+    assert (hwmon / "power1_cap").read_text() == before
+
+
+def test_an_explicit_fleet_that_does_not_answer_is_refused(host):
+    root, config, hwmon = host
+    with PowerReplica(hwmon) as replica:
+        result = _sweep(root, config, replica.url, "--caps", "210", fleet="http://127.0.0.1:9")
+    assert result.exit_code == 2 and "--fleet http://127.0.0.1:9: does not answer" in result.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_sweep_restores_the_cap(host, tmp_path, sig):
+    root, config, hwmon = host
+    before = (hwmon / "power1_cap").read_text()
+    with PowerReplica(hwmon) as replica:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from r9k.cli import main; main()", "ops", "sweep", "--card", BDF, "--replica", replica.url,
+             "--host-root", str(root), "--config", str(config), "--caps", "240,270,300",
+             "--hold-s", "30", "--warmup-s", "0", "--output-tokens", "50",
+             "--out-dir", str(tmp_path / "out")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "R9K_FLEET_URL": ""})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (hwmon / "power1_cap").read_text() == before:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        assert (hwmon / "power1_cap").read_text() == "240000000\n"   # mid-sweep: changed
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, (out, err)
+    assert f"interrupted by {signal.Signals(sig).name}" in out
+    assert (hwmon / "power1_cap").read_text() == before
+    assert "restored to 210 W" in out
