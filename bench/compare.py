@@ -284,15 +284,18 @@ def run_vllm_bench(argv: list[str]) -> dict[str, Any]:
 
 def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int,
               tokenizer: str | None = None, progress: bool = False,
-              vllm_bench: Callable[[list[str]], dict[str, Any]] = run_vllm_bench) -> dict[str, Any]:
+              vllm_bench: Callable[[list[str]], dict[str, Any]] = run_vllm_bench,
+              energy: "Energy | None" = None) -> dict[str, Any]:
     if w.client == "vllm":
         n = w.requests_at(concurrency)
         argv = vllm_bench_argv(base, model, tokenizer or model, w, concurrency, n, seed, progress)
         if vllm_bench is run_vllm_bench:
             _vllm_bench_lib()  # the first import takes ~15 s: not inside the sampled level
-        with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler:
+        with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler, \
+                energy_window(energy) as window:
             lv = level_from_vllm_bench(vllm_bench(argv), concurrency, n)
-        return {**lv, "pool": sampler.summary()}
+        return {**lv, "pool": sampler.summary(),
+                "energy": energy_block(window, energy, lv.get("output_tokens"))}
     rng = random.Random(seed)
     n = w.requests_at(concurrency)
     if w.prefix_tokens:
@@ -311,7 +314,8 @@ def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int,
             return await drive(make_payload, session, base, concurrency=concurrency, total=n,
                                timeout_s=w.timeout_s)
     counts_before = _prefix_counts_at(base)
-    with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler:
+    with PoolSampler(lambda: read_metrics_text(base), w.sample_interval_s) as sampler, \
+            energy_window(energy) as window:
         t0 = time.monotonic()
         results, stop_reason = asyncio.run(go())
         wall = time.monotonic() - t0
@@ -331,7 +335,40 @@ def run_level(base: str, model: str, w: Workload, concurrency: int, seed: int,
             "cached_tokens_per_request": cached_token_counts(ok),
             "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None], (50, 90)),
             "decode_tokens_per_s_per_request": summarize(decode, (50,)),
-            "pool": sampler.summary()}
+            "pool": sampler.summary(),
+            "energy": energy_block(window, energy, out_tokens)}
+
+
+@dataclass
+class Energy:
+    """The cards whose draw a level costs (the replicas' cards on this host) and the meter."""
+
+    meter: Any                      # r9k.ops.energy.EnergyMeter, started
+    cards: list[str] | None         # PCI addresses; None: every card the meter sees
+
+
+@contextlib.contextmanager
+def energy_window(energy: Energy | None):
+    if energy is None:
+        yield None
+        return
+    from r9k.ops.energy import EnergyWindow
+
+    with EnergyWindow(energy.meter, energy.cards) as window:
+        yield window
+
+
+def energy_block(window, energy: Energy | None, output_tokens: float | None) -> dict[str, Any]:
+    """A level's energy: joules, seconds, mean watts, joules per output token; or
+    {"measured": False, "why": ...}, never a 0 that was not measured."""
+    if energy is None:
+        return {"measured": False, "why": "no card power to read here (no amdgpu card with "
+                "power1_average, power1_input or energy1_input)"}
+    if window is None or not window.measured:
+        return {"measured": False, "why": f"no power readings from {energy.cards or 'the cards'}"}
+    return {"measured": True, "cards": energy.cards, "joules": window.joules,
+            "seconds": window.seconds, "watts": window.watts, "gap_seconds": window.gap_seconds,
+            "joules_per_output_token": (window.joules / output_tokens if output_tokens else None)}
 
 
 Replica = Callable[[str, int], ContextManager[dict[str, Any]]]
@@ -350,7 +387,8 @@ def external_replica(urls: dict[str, str], model: str, tokenizer: str | None = N
 
 def run_compare(replica: Replica, w: Workload, *, repeats: int, progress: bool = True,
                 report: Callable[[str], None] = print,
-                checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                checkpoint: Callable[[dict[str, Any]], None] | None = None,
+                energy: Energy | None = None) -> dict[str, Any]:
     """All repeats; after each replica run `checkpoint` gets the result so far, and Ctrl-C
     returns what was measured (`stopped_early`)."""
     from tqdm import tqdm
@@ -376,7 +414,7 @@ def run_compare(replica: Replica, w: Workload, *, repeats: int, progress: bool =
                         1, seed=-1)
                     for c in w.concurrencies:
                         lv = run_level(r["url"], r["model"], w, c, seed=c,
-                                       tokenizer=r.get("tokenizer"))
+                                       tokenizer=r.get("tokenizer"), energy=energy)
                         levels.append(lv)
                         bar.update()
                         if lv["errors"]:
@@ -402,6 +440,11 @@ def _sum_counts(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
         for k, v in (c or {}).items():
             total[int(k)] = total.get(int(k), 0) + v
     return {str(k): total[k] for k in sorted(total)} or None
+
+
+def _jpt(lv: dict[str, Any]) -> float | None:
+    e = lv.get("energy") or {}
+    return e.get("joules_per_output_token") if e.get("measured") else None
 
 
 def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
@@ -435,6 +478,10 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
                       "decode_tokens_per_s_per_request_p50": spread(
                           [lv["decode_tokens_per_s_per_request"]["p50"] for lv in lvs
                            if lv["decode_tokens_per_s_per_request"].get("p50") is not None]),
+                      "joules_per_output_token": spread(
+                          [_jpt(lv) for lv in lvs if _jpt(lv) is not None]),
+                      "watts": spread([lv["energy"]["watts"] for lv in lvs
+                                       if (lv.get("energy") or {}).get("measured")]),
                       **{key: spread([lv["pool"][key] for lv in lvs
                                       if (lv.get("pool") or {}).get(key) is not None])
                          for key in ("peak_running", "peak_waiting", "peak_kv_usage",
@@ -443,6 +490,9 @@ def aggregate(runs: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
         row["throughput_ratio_onepage_over_stock"] = spread(
             [per_mode["onepage"][r]["output_tokens_per_s"] / per_mode["stock"][r]["output_tokens_per_s"]
              for r in paired if per_mode["stock"][r]["output_tokens_per_s"]])
+        row["joules_per_token_ratio_onepage_over_stock"] = spread(
+            [_jpt(per_mode["onepage"][r]) / _jpt(per_mode["stock"][r]) for r in paired
+             if _jpt(per_mode["stock"][r]) and _jpt(per_mode["onepage"][r]) is not None])
         row["ttft_ratio_onepage_over_stock"] = spread(
             [per_mode["onepage"][r]["ttft_s"]["p50"] / per_mode["stock"][r]["ttft_s"]["p50"]
              for r in paired if per_mode["stock"][r]["ttft_s"].get("p50")
@@ -560,7 +610,7 @@ def markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
     lines = [f"# Stock vs one-page: {result.get('title', '')}".rstrip(": "), ""]
     if w.get("prefix_tokens"):
-        lines += shared_prefix_markdown(result)
+        lines += shared_prefix_markdown(result) + energy_markdown(result)
         return _capacity_markdown(result, lines)
     client = ("vLLM's `vllm bench serve` (random dataset, fixed lengths, --max-concurrency)"
               if w.get("client") == "vllm" else "r9k bench client (closed loop)")
@@ -582,6 +632,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{o['output_tokens_per_s']['mean']:.1f} | {r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f}) | "
             f"{1000 * s['ttft_p50_s']['mean']:.0f} ms | {1000 * o['ttft_p50_s']['mean']:.0f} ms | "
             f"{r['median']:.3f} | {_median_range(row['ttft_ratio_onepage_over_stock'], '.3f')} |")
+    lines += energy_markdown(result)
     cross = crossover(result["by_concurrency"])
     if cross:
         lines += ["", f"Crossover: the median ratio rises through 1 for good between "
@@ -591,6 +642,31 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Crossover: none; the median ratio does not rise through 1 to stay "
                   "above it over these levels."]
     return _capacity_markdown(result, lines)
+
+
+def energy_markdown(result: dict[str, Any]) -> list[str]:
+    """Joules per output token per level, stock vs one-page, or why it was not measured."""
+    rows = [row for row in result["by_concurrency"]
+            if any(row[m].get("joules_per_output_token", {}).get("n") for m in MODES)]
+    if not rows:
+        why = next((lv["energy"].get("why") for run in result.get("runs", [])
+                    for lv in run["levels"] if lv.get("energy")), None)
+        return ["", f"Joules per output token: not measured ({why or 'no energy readings'})."]
+    lines = ["", "Energy over each level (the cards' power integrated, r9k.ops.energy): mean "
+             "draw and joules per output token, mean over repeats; ratio paired within a repeat.",
+             "", "| concurrency | stock W | one-page W | stock J/token | one-page J/token "
+             "| ratio one-page/stock (min..max) |", "|---:|---:|---:|---:|---:|---:|"]
+
+    def mean(x: dict[str, Any], fmt: str) -> str:
+        return format(x["mean"], fmt) if x.get("n") else "-"
+    for row in rows:
+        s, o = row["stock"], row["onepage"]
+        r = row["joules_per_token_ratio_onepage_over_stock"]
+        ratio = f"{r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f})" if r.get("n") else "-"
+        lines.append(f"| {row['concurrency']} | {mean(s['watts'], '.1f')} | {mean(o['watts'], '.1f')} "
+                     f"| {mean(s['joules_per_output_token'], '.4f')} "
+                     f"| {mean(o['joules_per_output_token'], '.4f')} | {ratio} |")
+    return lines
 
 
 def pool_markdown(result: dict[str, Any]) -> list[str]:
@@ -753,3 +829,20 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def energy_for(host_root: str, cards: list[str] | None, sample_hz: float = 5.0) -> Energy | None:
+    """A started meter over ``cards`` (every amdgpu card under ``host_root``: None) when one of
+    them has a power or energy file; None (not measured) otherwise. Unknown cards: ValueError."""
+    from r9k.ops import sysfs
+    from r9k.ops.energy import EnergyMeter, source_of
+
+    found = {c.bdf: c for c in sysfs.discover_cards(host_root, enrich=False)}
+    unknown = [b for b in cards or [] if b not in found]
+    if unknown:
+        raise ValueError(f"--energy-cards: {', '.join(unknown)} not found under {host_root} "
+                         f"(cards here: {', '.join(found) or 'none'})")
+    chosen = [found[b] for b in (cards or list(found))]
+    if not any(c.hwmon_dir is not None and source_of(c.hwmon_dir) for c in chosen):
+        return None
+    return Energy(EnergyMeter(host_root, sample_hz=sample_hz).start(), [c.bdf for c in chosen])

@@ -79,7 +79,8 @@ def _read_microunits(path: Path) -> float:
     return value / _MICRO
 
 
-def _source_of(hwmon: Path) -> str | None:
+def source_of(hwmon: Path) -> str | None:
+    """The file a card's energy comes from (ENERGY_SOURCES order), or None."""
     for name in ENERGY_SOURCES:
         if (hwmon / name).exists():
             return name
@@ -118,7 +119,7 @@ class EnergyMeter:
         with self._lock:
             for bdf, hwmon in found.items():
                 card = self.cards.setdefault(bdf, CardEnergy(bdf))
-                source = _source_of(hwmon) if hwmon is not None else None
+                source = source_of(hwmon) if hwmon is not None else None
                 if card.hwmon_dir != hwmon or card.source != source:
                     # hwmon numbers change across a reset: the integral goes on, a new interval
                     card.hwmon_dir, card.source = hwmon, source

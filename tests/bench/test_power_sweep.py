@@ -178,3 +178,49 @@ def test_a_signal_mid_sweep_restores_the_cap(host, tmp_path, sig):
     assert f"interrupted by {signal.Signals(sig).name}" in out
     assert (hwmon / "power1_cap").read_text() == before
     assert "restored to 210 W" in out
+
+
+def test_bench_compare_reports_joules_per_token_per_level_when_power_is_readable(tmp_path):
+    a, b = "0000:03:00.0", "0000:04:00.0"
+    root = build_host_tree(tmp_path / "host", [CardSpec(a, cap_watts=300, power_files=("average",)),
+                                               CardSpec(b, cap_watts=240, power_files=("average",))])
+    hw = {bdf: next((device_dir(root, bdf) / "hwmon").glob("hwmon*")) for bdf in (a, b)}
+    prefix = tmp_path / "cmp"
+    # stock on card a (300 W: 100 tokens/s per request), one-page on card b (240 W: 70)
+    with PowerReplica(hw[a], idle_watts=0) as stock, PowerReplica(hw[b], idle_watts=0) as onepage:
+        r = CliRunner().invoke(main, [
+            "bench", "compare", "--stock-endpoint", stock.url, "--onepage-endpoint", onepage.url,
+            "--concurrency", "2", "--repeats", "2", "--requests-per-level", "4",
+            "--prompt-tokens", "16", "--output-tokens", "60", "--quiet", "--out-prefix", str(prefix),
+            "--host-root", str(root), "--energy-cards", f"{a},{b}"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(prefix.with_suffix(".json").read_text())
+    [row] = res["by_concurrency"]
+    for mode, watts, per_request in (("stock", 300, 100), ("onepage", 240, 70)):
+        jpt = row[mode]["joules_per_output_token"]
+        assert jpt["n"] == 2
+        # the card draws its cap while 2 requests run: watts / (2 x tokens/s), plus ramp edges
+        assert watts / (2 * per_request) * 0.8 < jpt["mean"] < watts / (2 * per_request) * 1.6
+    ratio = row["joules_per_token_ratio_onepage_over_stock"]
+    assert ratio["n"] == 2 and 0.9 < ratio["mean"] < 1.5   # expected (240/140) / (300/200) = 1.14
+    md = prefix.with_suffix(".md").read_text()
+    assert "| concurrency | stock W | one-page W | stock J/token | one-page J/token" in md
+
+
+def test_bench_compare_says_not_measured_without_card_power(tmp_path):
+    from doubles.fake_openai import FakeOpenAI
+
+    root = build_host_tree(tmp_path / "host", [CardSpec(BDF, power_files=())])
+    prefix = tmp_path / "cmp"
+    with FakeOpenAI(token_delay_s=0.001) as x, FakeOpenAI(token_delay_s=0.001) as y:
+        r = CliRunner().invoke(main, [
+            "bench", "compare", "--stock-endpoint", x.url, "--onepage-endpoint", y.url,
+            "--concurrency", "1", "--repeats", "1", "--requests-per-level", "2",
+            "--prompt-tokens", "16", "--output-tokens", "4", "--quiet", "--out-prefix", str(prefix),
+            "--host-root", str(root)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(prefix.with_suffix(".json").read_text())
+    level = res["runs"][0]["levels"][0]
+    assert level["energy"]["measured"] is False and "no card power" in level["energy"]["why"]
+    assert res["by_concurrency"][0]["stock"]["joules_per_output_token"]["n"] == 0
+    assert "Joules per output token: not measured" in prefix.with_suffix(".md").read_text()
