@@ -57,6 +57,20 @@ def test_flags_vllm_does_not_know_are_refused_with_its_message():
     assert "unrecognized arguments: --bogus" in refused(["--bogus"])
 
 
+@pytest.mark.parametrize("extra", [["--config", "/nonexistent.yaml"], ["--config=/etc/vllm.yaml"],
+                                   ["--conf", "/x.yaml"]])
+def test_a_vllm_config_file_in_extra_args_is_refused(extra):
+    """Its flags are read on each replica's host (and a missing one once crashed the check)."""
+    assert "names a vLLM config file" in refused(extra)
+
+
+@pytest.mark.parametrize("extra", [["--speculative-config", "{not json"], ["--max-model-len", "x"],
+                                   ["--speculative-config.num_speculative_tokens", "5"]])
+def test_values_vllm_cannot_read_or_owned_fields_set_by_dotted_flags_are_refused(extra):
+    msg = refused(extra)
+    assert "refuses them" in msg or "set vLLM's speculative_config" in msg
+
+
 @pytest.mark.parametrize("extra", HARMLESS)
 def test_flags_the_fleet_does_not_own_pass(extra):
     parse_fleet(fleet(extra))
