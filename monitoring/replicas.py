@@ -10,8 +10,12 @@ directory). Labels: ``replica`` and ``model``.
 """
 from __future__ import annotations
 
+import http.client
+import io
 import json
 import os
+import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -26,7 +30,7 @@ from pydantic import ValidationError
 from r9k import capacity
 from r9k.config_errors import validation_message
 from r9k.fleet_status import FleetStatus, ReplicaDescription  # the typed interface (r9k.fleet_status)
-from r9k.http_client import http_get
+from r9k.http_client import HttpUnreachable
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
@@ -37,6 +41,7 @@ DEFAULT_TIMEOUT_S = 2.0
 # cannot push a scrape past Prometheus' 10 s scrape_timeout and take the card metrics with them.
 DEFAULT_BUDGET_S = 5.0
 MAX_PARALLEL_READS = 64  # replicas are read all at once up to this many; the rest queue
+MAX_BODY_BYTES = 16 << 20  # vLLM's /metrics is some 100 KB; far more is not a replica's answer
 
 
 def _series(plugin: dict | None) -> str:
@@ -72,8 +77,77 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
         raise ReplicaSpecError(validation_message(exc, f"--replica {spec!r}", limit=1)) from None
 
 
-def _get(url: str, timeout_s: float) -> bytes:
-    return http_get(url, timeout_s=timeout_s)
+class _Recorded:
+    """The bytes of a whole response, handed to http.client's parser as if they were a socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def makefile(self, *args: Any, **kwargs: Any) -> io.BytesIO:
+        return io.BytesIO(self.data)
+
+
+def _drop_out_of_range(metrics: VllmMetrics) -> bool:
+    """Set to None what no replica can report (a usage ratio outside 0-1, a negative count);
+    True when something was."""
+    bad = False
+    if metrics.kv_usage_ratio is not None and not 0.0 <= metrics.kv_usage_ratio <= 1.0:
+        metrics.kv_usage_ratio, bad = None, True
+    for name in ("running", "waiting", "generation_tokens", "preemptions"):
+        if (getattr(metrics, name) or 0.0) < 0:
+            setattr(metrics, name, None)
+            bad = True
+    return bad
+
+
+def get_by(url: str, deadline: float, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The body of a 200 answer to GET ``url``, read whole by ``deadline`` (time.monotonic()):
+    one deadline for connecting, sending and every byte of the answer. A socket timeout counts
+    per recv, so a replica that trickles its /metrics would hold the read, and its thread, for
+    as long as it trickles. HttpUnreachable (an OSError) for no answer, a late or oversized one,
+    or a status other than 200."""
+    parts = urlsplit(url)
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise HttpUnreachable(f"{url}: no complete answer by the deadline")
+        return remaining
+
+    try:
+        host, https = parts.hostname, parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        if not host:
+            raise ValueError("no host")
+        conn = socket.create_connection((host, port), timeout=left())
+        with conn:
+            sock = ssl.create_default_context().wrap_socket(conn, server_hostname=host) if https else conn
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            sock.settimeout(left())
+            sock.sendall(f"GET {target} HTTP/1.0\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
+                         "Accept: */*\r\nConnection: close\r\n\r\n".encode("ascii"))
+            chunks, size = [], 0
+            while True:
+                sock.settimeout(left())
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > max_bytes + (1 << 16):  # headers fit in the allowance
+                    raise HttpUnreachable(f"{url}: answer over {max_bytes} bytes")
+                chunks.append(chunk)
+        response = http.client.HTTPResponse(_Recorded(b"".join(chunks)))  # type: ignore[arg-type]
+        response.begin()
+        body = response.read()
+    except HttpUnreachable:
+        raise
+    except TimeoutError:
+        raise HttpUnreachable(f"{url}: no complete answer by the deadline") from None
+    except (OSError, ValueError, UnicodeError, http.client.HTTPException) as exc:
+        raise HttpUnreachable(f"{url}: no answer ({exc or type(exc).__name__})") from None
+    if response.status != 200:
+        raise HttpUnreachable(f"{url}: HTTP {response.status}: {body[:200].decode('utf-8', 'replace')}")
+    return body
 
 
 @dataclass
@@ -123,7 +197,7 @@ class ReplicaCollector:
         if self.fleet_url:
             try:
                 status = FleetStatus.model_validate(json.loads(
-                    _get(self.fleet_url, self.timeout_s if timeout_s is None else timeout_s)))
+                    get_by(self.fleet_url, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))))
                 fleet = status.replicas
                 with self._lock:
                     self._last_fleet = fleet
@@ -139,10 +213,11 @@ class ReplicaCollector:
         descs = self.descriptions(min(self.timeout_s, self.budget_s / 2))  # half left for replicas
         readings: list[ReplicaReading] = []
         if descs:
-            # No `with`: leaving it would wait for hung reads; they end on their own timeout.
+            # No `with`: every read ends by the deadline (get_by), so none outlives the scrape
+            # by more than a moment, and a DNS lookup that hangs must not hold the scrape.
             pool = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_READS, len(descs)),
                                       thread_name_prefix="r9k-replica")
-            futures = [pool.submit(self._read_tallied, d) for d in descs]
+            futures = [pool.submit(self._read_tallied, d, deadline) for d in descs]
             wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             pool.shutdown(wait=False, cancel_futures=True)
             for desc, future in zip(descs, futures):
@@ -155,14 +230,21 @@ class ReplicaCollector:
                     readings.append(self._down(desc))
         yield from self._families(readings)
 
-    def _read_tallied(self, desc: ReplicaDescription) -> tuple[ReplicaReading, list[str]]:
+    def _read_tallied(self, desc: ReplicaDescription, deadline: float) -> tuple[ReplicaReading, list[str]]:
         """A read whose failures count only if it ends within the phase deadline (a late read
-        was already counted as down)."""
+        was already counted as down); its every request ends by that deadline too, so no read
+        thread outlives the scrape."""
         self._tally.sources = []
+        self._tally.deadline = deadline
         try:
             return self.read_replica(desc), self._tally.sources
         finally:
-            self._tally.sources = None
+            self._tally.sources = self._tally.deadline = None
+
+    def _get(self, url: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        phase = getattr(self._tally, "deadline", None)
+        return get_by(url, deadline if phase is None else min(deadline, phase))
 
     def _count(self, source: str) -> None:
         sources = getattr(self._tally, "sources", None)
@@ -181,10 +263,12 @@ class ReplicaCollector:
 
     def read_replica(self, desc: ReplicaDescription) -> ReplicaReading:
         try:
-            text = _get(desc.url + desc.metrics_path, self.timeout_s).decode("utf-8", "replace")
-            metrics = parse_vllm_metrics(text)
+            text = self._get(desc.url + desc.metrics_path).decode("utf-8", "replace")
+            metrics = parse_vllm_metrics(text)  # drops NaN and infinite samples, names them in .invalid
         except (OSError, ValueError):
             return self._down(desc)
+        if any(name.startswith("vllm:") for name in metrics.invalid) | _drop_out_of_range(metrics):
+            self._count("replica")  # up, but a value it reported is not one: left out, counted
         model = desc.model or metrics.model_name or ""
         with self._lock:
             self._last_model[desc.name] = model
@@ -233,7 +317,7 @@ class ReplicaCollector:
         if cached is not None:
             return cached
         try:
-            data = json.loads(_get(desc.url + "/v1/models", self.timeout_s))
+            data = json.loads(self._get(desc.url + "/v1/models"))
             entry = data["data"][0]
             if not isinstance(entry, dict):
                 raise ValueError("model entry is not an object")

@@ -239,3 +239,196 @@ def test_a_flood_of_wrong_passwords_does_not_starve_a_scraper_not_yet_remembered
     assert [s for s, _ in scrapes] == [200] * 15, (scrapes, answers)
     assert max(t for _, t in scrapes) < 3.0, scrapes
     assert "Traceback" not in err
+
+
+# -- replicas: reads with one deadline, values that are no values ------------------------------
+
+class _TricklingReplica:
+    """A replica on 127.0.0.1 that answers /metrics with headers, then one byte every ``every_s``
+    for as long as the client listens (an engine stuck mid-write, or a hostile one)."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stop = self.stop = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                try:
+                    while not stop.wait(every_s):
+                        self.wfile.write(b"#")
+                        self.wfile.flush()
+                except OSError:
+                    pass  # the reader went away
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _reader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("r9k-replica")]
+
+
+def _scrape_no_cards(collector) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from r9k.monitoring.exporter import build_registry, render
+
+    text = render(build_registry(collector))
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_a_trickling_replica_leaves_no_reader_thread_behind():
+    """Each scrape's read of a replica that trickles its /metrics ends by the read's deadline
+    (1 s), not when the replica stops trickling; after five scrapes no reader thread is left."""
+    from r9k.monitoring.exporter import build_collector
+
+    from r9k.monitoring.replicas import ReplicaDescription
+
+    assert not _reader_threads()
+    with _TricklingReplica() as replica:
+        collector = build_collector(cards=False, replicas=[ReplicaDescription(name="slow", url=replica.url)],
+                                    timeout_s=1.0, replica_budget_s=3.0)
+        took = []
+        for _ in range(5):
+            started = time.monotonic()
+            samples = _scrape_no_cards(collector)
+            took.append(time.monotonic() - started)
+            assert samples[("r9k_replica_up", frozenset({("replica", "slow"), ("model", "")}))] == 0.0
+        deadline = time.monotonic() + 3.0
+        while _reader_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _reader_threads()
+    assert left == [], left  # before: one reader per scrape, reading for as long as it trickled
+    assert max(took) < 2.5, took
+    assert samples[("r9k_scrape_errors_total", frozenset({("source", "replica")}))] == 5
+
+
+def test_one_deadline_bounds_a_whole_read_of_a_trickling_server():
+    from r9k.monitoring.replicas import get_by
+
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(get_by(replica.url + "/metrics", time.monotonic() + 0.5))
+        except Exception as exc:  # noqa: BLE001  (the test judges what came out)
+            outcome.append(exc)
+
+    with _TricklingReplica(every_s=0.02) as replica:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(2.0)  # a per-recv timeout would read for as long as the replica trickles
+        alive = reader.is_alive()
+    assert not alive and re.search("no complete answer by the deadline", str(outcome[0])), outcome
+
+
+@contextmanager
+def _raw_answer(answer: bytes):
+    """A TCP server on 127.0.0.1 that reads a request, writes ``answer`` and closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+
+    def serve_one() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(5)
+            try:
+                conn.recv(65536)
+                conn.sendall(answer)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+_http_answers = st.one_of(
+    st.binary(max_size=400),
+    st.builds(lambda status, headers, body: b"HTTP/1.1 " + status + b"\r\n" + headers + b"\r\n\r\n" + body,
+              st.sampled_from([b"200 OK", b"404 Not Found", b"500 Oops", b"2000 x", b"abc", b""]),
+              st.sampled_from([b"", b"Content-Length: 5", b"Content-Length: -1", b"Content-Length: zz",
+                               b"Transfer-Encoding: chunked", b"X: " + b"y" * 70_000]),
+              st.binary(max_size=200)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_http_answers)
+def test_any_answer_is_a_body_or_unreachable_never_another_error(answer):
+    from r9k.http_client import HttpUnreachable
+    from r9k.monitoring.replicas import get_by
+
+    with _raw_answer(answer) as url:
+        started = time.monotonic()
+        try:
+            body = get_by(url + "/metrics", time.monotonic() + 3.0)
+        except HttpUnreachable:
+            body = None
+        assert time.monotonic() - started < 4.0
+    if body is not None:
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1.5, -0.1])
+def test_a_kv_usage_that_is_no_ratio_is_left_out_and_counted(value):
+    from doubles.monitored_host import FakeReplica
+    from r9k.monitoring.exporter import build_collector
+    from r9k.monitoring.replicas import ReplicaDescription
+
+    with FakeReplica(kv_usage_ratio=value, running=2) as replica:
+        collector = build_collector(cards=False, replicas=[ReplicaDescription(name="r", url=replica.url)])
+        samples = _scrape_no_cards(collector)
+    labels = frozenset({("replica", "r"), ("model", "tiny")})
+    assert ("r9k_kv_usage_ratio", labels) not in samples, samples.get(("r9k_kv_usage_ratio", labels))
+    assert samples[("r9k_replica_up", labels)] == 1.0
+    assert samples[("r9k_replica_requests_running", labels)] == 2.0  # the rest of the replica is served
+    assert samples[("r9k_scrape_errors_total", frozenset({("source", "replica")}))] == 1
+
+
+_sample_values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                                           "vllm:num_requests_waiting", "vllm:generation_tokens_total"]),
+                          st.sampled_from(["0", "1", "2"]), _sample_values), max_size=8))
+def test_parsed_replica_values_are_finite_and_in_range_whatever_it_reports(samples):
+    import math
+
+    from r9k.monitoring.replicas import _drop_out_of_range
+    from r9k.vllm_metrics import parse_vllm_metrics
+
+    def fmt(v: float) -> str:
+        return "NaN" if v != v else ("+Inf" if v == math.inf else "-Inf" if v == -math.inf else repr(float(v)))
+
+    text = "".join(f'{name}{{engine="{engine}",model_name="m"}} {fmt(value)}\n' for name, engine, value in samples)
+    metrics = parse_vllm_metrics(text)
+    _drop_out_of_range(metrics)
+    assert len(metrics.invalid) == sum(1 for *_, v in samples if not math.isfinite(v))
+    for value in (metrics.kv_usage_ratio, metrics.running, metrics.waiting, metrics.generation_tokens):
+        assert value is None or math.isfinite(value)
+    assert metrics.kv_usage_ratio is None or 0.0 <= metrics.kv_usage_ratio <= 1.0
