@@ -57,7 +57,7 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
              as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
-    from r9k.http_client import is_loopback
+    from r9k.http_client import host_url, is_loopback
     from r9k.monitoring.web_config import WebConfigError, load_web_config
     from r9k.monitoring.replicas import ReplicaDescription, ReplicaSpecError, load_replica_file, parse_replica_spec
 
@@ -121,7 +121,7 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
         click.echo(f"r9k exporter: warning: --listen {listen} serves card and replica metrics to the "
                    "network without TLS or auth (--web-config-file)", err=True)
     scheme = "https" if web is not None and web[1] is not None else "http"
-    click.echo(f"r9k exporter: {scheme}://{listen}:{bound}/metrics "
+    click.echo(f"r9k exporter: {host_url(listen, bound, scheme)}/metrics "
                f"({'host root ' + host_root if cards else 'no cards'}, "
                f"{len(replicas)} replicas{', fleet ' + fleet_url if fleet_url else ''})")
     stop = threading.Event()

@@ -20,7 +20,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
@@ -28,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import ValidationError
 
 from r9k import capacity
-from r9k.config_errors import validation_message
+from r9k.config_errors import read_config_bytes, validation_message
 from r9k.fleet_status import FleetStatus, ReplicaDescription  # the typed interface (r9k.fleet_status)
 from r9k.http_client import HttpUnreachable
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
@@ -60,7 +59,8 @@ _SPEC_KEYS = {"name", "model", "model_config", "tp", "num_spec", "page_mode", "p
 
 def parse_replica_spec(spec: str) -> ReplicaDescription:
     """``URL[,key=value...]``, keys: name, model, model_config, tp, num_spec, page_mode, platform,
-    max_model_len, metrics_path, cards (PCI addresses joined by ``|``), host."""
+    max_model_len, metrics_path, cards (PCI addresses joined by ``|``), host. ReplicaSpecError,
+    naming what was wrong, for anything that is not such a spec."""
     url, *pairs = [p.strip() for p in spec.split(",")]
     data: dict[str, Any] = {"url": url}
     for pair in pairs:
@@ -69,8 +69,18 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
             raise ReplicaSpecError(
                 f"--replica {spec!r}: {pair!r} is not key=value with a key among "
                 f"{', '.join(sorted(_SPEC_KEYS))}")
+        if key in data:
+            raise ReplicaSpecError(f"--replica {spec!r}: {key} given twice; expected each key once")
         data[key] = [c for c in value.split("|") if c] if key == "cards" else value
-    data.setdefault("name", urlsplit(url).netloc or url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises for a port that is not a number in 0-65535)
+    except ValueError as exc:  # e.g. 'http://[::1' (an unclosed IPv6 bracket), 'http://h:99999'
+        raise ReplicaSpecError(f"--replica {spec!r}: URL {url!r} cannot be parsed ({exc}); "
+                               "expected http(s)://host:port") from None
+    if parts.scheme in ("http", "https") and not parts.hostname:
+        raise ReplicaSpecError(f"--replica {spec!r}: URL {url!r} has no host; expected http(s)://host:port")
+    data.setdefault("name", parts.netloc or url)
     try:
         return ReplicaDescription.model_validate(data)
     except ValidationError as exc:
@@ -454,10 +464,17 @@ class ReplicaCollector:
 
 
 def load_replica_file(path: str | os.PathLike) -> list[ReplicaDescription]:
-    """A JSON file in the fleet status format (``{"replicas": [...]}``)."""
+    """A JSON file in the fleet status format (``{"replicas": [...]}``), read like every config
+    file (a FIFO or a device refused without blocking, at most 1 MiB)."""
     try:
-        return FleetStatus.model_validate(json.loads(Path(path).read_text())).replicas
+        raw = read_config_bytes(path)
     except FileNotFoundError:
         raise ReplicaSpecError(f"{path}: no such file; expected JSON {{\"replicas\": [...]}}") from None
+    except OSError as exc:
+        raise ReplicaSpecError(f"{path}: cannot read ({exc.strerror}); expected JSON {{\"replicas\": [...]}}") from None
+    except ValueError as exc:
+        raise ReplicaSpecError(str(exc).replace("(YAML)", "(JSON)")) from None
+    try:
+        return FleetStatus.model_validate(json.loads(raw)).replicas
     except (ValueError, ValidationError) as exc:
         raise ReplicaSpecError(f"{path}: expected JSON {{\"replicas\": [...]}} ({str(exc).splitlines()[0]})") from None

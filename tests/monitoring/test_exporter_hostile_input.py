@@ -432,3 +432,74 @@ def test_parsed_replica_values_are_finite_and_in_range_whatever_it_reports(sampl
     for value in (metrics.kv_usage_ratio, metrics.running, metrics.waiting, metrics.generation_tokens):
         assert value is None or math.isfinite(value)
     assert metrics.kv_usage_ratio is None or 0.0 <= metrics.kv_usage_ratio <= 1.0
+
+
+# -- command line: --replica, --replica-file, --listen -----------------------------------------
+
+def _exporter_cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from r9k.cli import main; main()", "exporter", *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("http://[::1", "Invalid IPv6 URL"), ("http://h:99999", "Port out of range"),
+    ("http://h:port", "cannot be parsed"), ("http://:80", "has no host"),
+    ("http://h:1,tp=2,tp=3", "tp given twice")])
+def test_a_replica_url_that_cannot_be_parsed_is_one_line_and_exit_2(spec, needle):
+    result = _exporter_cli("--once", "--no-cards", "--replica", spec)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stdout, result.stderr)
+    assert "--replica" in lines[0] and needle in lines[0] and "expected" in lines[0], lines[0]
+
+
+_spec_texts = st.one_of(
+    st.text(max_size=60),
+    st.builds(lambda scheme, host, port, tail: f"{scheme}://{host}{port}{tail}",
+              st.sampled_from(["http", "https", "ftp", "HTTP", ""]),
+              st.sampled_from(["h", "[::1]", "[::1", "::1]", "[fe80::1%eth0]", "", "a@b", "10.0.0.1", "[]"]),
+              st.sampled_from(["", ":8000", ":0", ":65536", ":-1", ":x", ":", ":99999999999"]),
+              st.sampled_from(["", "/", ",tp=2", ",tp=0", ",name=", ",cards=a|b", ",x", ",tp=2,tp=2",
+                               ",page_mode=onepage", ",max_model_len=-1", "/metrics?a=b"])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_spec_texts)
+def test_a_replica_spec_is_a_valid_description_or_a_replica_spec_error(spec):
+    from urllib.parse import urlsplit
+
+    from r9k.monitoring.replicas import ReplicaSpecError, parse_replica_spec
+
+    try:
+        desc = parse_replica_spec(spec)
+    except ReplicaSpecError as exc:
+        assert "--replica" in str(exc) and "\n" not in str(exc).strip()
+        return
+    parts = urlsplit(desc.url)
+    assert parts.scheme in ("http", "https") and parts.hostname
+    assert parts.port is None or 0 <= parts.port <= 65535
+    assert desc.name and desc.tp >= 1
+
+
+def test_a_replica_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "replicas.json"
+    os.mkfifo(fifo)
+    result = _exporter_cli("--once", "--no-cards", "--replica-file", str(fifo), timeout_s=20)
+    assert result.returncode == 2 and "is a FIFO; expected a regular file (JSON)" in result.stderr, result
+
+
+def test_an_ipv6_listen_address_is_printed_in_brackets(tmp_path):
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    for listen in ("::1", "[::1]"):
+        proc = subprocess.Popen([sys.executable, "-c", "from r9k.cli import main; main()", "exporter", "--port", "0",
+                                 "--no-cards", "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            first = proc.stdout.readline()
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=10)
+        match = re.match(r"r9k exporter: http://\[::1\]:(\d+)/metrics ", first)
+        assert match, first  # before: http://::1:PORT/metrics, which no client parses
