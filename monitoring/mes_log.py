@@ -46,6 +46,9 @@ _ROW_BYTES = 32
 _ROW_RE = re.compile(r"([0-9a-f]{8}): [0-9a-f]{8}(?: [0-9a-f]{8}){0,7}")
 # The dump of the largest ring (2 x 0x4000 bytes + scratch) is about 100 KB; far more is not this file.
 _MAX_TEXT_BYTES = 4 * 1024 * 1024
+# A scrape waits this long for the cards' reads together; a read still blocked then (a debugfs
+# read can wait on the hung firmware's lock) reads as unreadable this scrape, in its own thread.
+READ_DEADLINE_S = 1.0
 
 
 class MesLogMalformed(ValueError):
@@ -120,6 +123,27 @@ def _absent(path: Path) -> bool:
     return False
 
 
+class _Read:
+    """One read of one card's event log, in a thread of its own: a read that blocks holds that
+    thread only (one per card at most: a card's next read waits for it), never a scrape."""
+
+    def __init__(self, bdf: str, path: Path) -> None:
+        self.done = threading.Event()
+        self.digest: bytes | None = None
+        self.error: Exception | None = None
+        threading.Thread(target=self._run, args=(path,), name=f"r9k-mes-log-{bdf}",
+                         daemon=True).start()
+
+    def _run(self, path: Path) -> None:
+        try:
+            with open(path, "rb") as log:
+                self.digest = log_digest(log.read(_MAX_TEXT_BYTES + 1))
+        except (OSError, MesLogMalformed) as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
@@ -129,12 +153,15 @@ class MesLogCollector:
 
     def __init__(self, errors: ScrapeErrors, host_root: str | os.PathLike = "/",
                  debugfs: str | os.PathLike = DEFAULT_DEBUGFS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, read_deadline_s: float = READ_DEADLINE_S) -> None:
         self.errors = errors
         self.dri = sysfs.host_path(host_root, os.fspath(debugfs)) / "dri"
         self.clock = clock  # monotonic: a wall-clock step must not look like a stall
+        self.read_deadline_s = read_deadline_s
         self._lock = threading.Lock()  # scrapes run in parallel server threads
-        self._last_change: dict[str, tuple[bytes, float]] = {}  # bdf -> (digest, when it changed)
+        # bdf -> (digest, when it changed); digest None: never read since it was first seen
+        self._last_change: dict[str, tuple[bytes | None, float]] = {}
+        self._reads: dict[str, _Read] = {}  # bdf -> its latest read (maybe still blocked)
 
     def unreadable_reason(self) -> str | None:
         """Why the dri directory cannot be listed (for a warning at start), or None."""
@@ -143,6 +170,13 @@ class MesLogCollector:
         except OSError as exc:
             return _why(self.dri, exc)
         return None
+
+    def _read(self, bdf: str, path: Path) -> _Read:
+        """A new read of the card's log, or its last one while that is still blocked."""
+        read = self._reads.get(bdf)
+        if read is None or read.done.is_set():
+            read = self._reads[bdf] = _Read(bdf, path)
+        return read
 
     def collect(self) -> Iterator[Metric]:
         host = _gauge("r9k_host_debugfs_readable",
@@ -166,29 +200,35 @@ class MesLogCollector:
                           ["bdf"])
         unchanged = _gauge("r9k_gpu_mes_log_unchanged_seconds",
                            "Seconds since this exporter last saw the card's MES event log change (0 at the "
-                           "first read after the exporter started).", ["bdf"])
+                           "first read after the exporter started); it counts on while the log is unreadable.",
+                           ["bdf"])
         now = self.clock()
+        with self._lock:
+            reads = {bdf: self._read(bdf, path) for bdf, path in logs.items() if path is not None}
+        deadline = time.monotonic() + self.read_deadline_s
+        for read in reads.values():
+            read.done.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:
             for bdf, path in sorted(logs.items()):
                 enabled.add_metric([bdf], 0.0 if path is None else 1.0)
                 if path is None:
                     self._last_change.pop(bdf, None)
                     continue
-                try:
-                    with open(path, "rb") as log:
-                        digest = log_digest(log.read(_MAX_TEXT_BYTES + 1))
-                except (OSError, MesLogMalformed):
-                    # Keep the last change: a read that fails once must not restart the count.
+                read = reads[bdf]
+                seen = self._last_change.setdefault(bdf, (None, now))
+                if not read.done.is_set() or read.error is not None:
+                    # Unreadable, malformed or blocked: the card's count goes on from its last
+                    # change (or from when it was first seen), so a stall still alerts.
                     self.errors.count("debugfs")
                     readable.add_metric([bdf], 0.0)
-                    continue
-                readable.add_metric([bdf], 1.0)
-                seen = self._last_change.get(bdf)
-                if seen is None or seen[0] != digest:
-                    seen = self._last_change[bdf] = (digest, now)
+                else:
+                    readable.add_metric([bdf], 1.0)
+                    if seen[0] != read.digest:
+                        seen = self._last_change[bdf] = (read.digest, now)
                 unchanged.add_metric([bdf], max(0.0, now - seen[1]))
             for gone in set(self._last_change) - set(logs):
                 del self._last_change[gone]
+                self._reads.pop(gone, None)
         yield host
         yield enabled
         yield readable

@@ -503,3 +503,110 @@ def test_an_ipv6_listen_address_is_printed_in_brackets(tmp_path):
             proc.communicate(timeout=10)
         match = re.match(r"r9k exporter: http://\[::1\]:(\d+)/metrics ", first)
         assert match, first  # before: http://::1:PORT/metrics, which no client parses
+
+
+# -- MES event log: unreadable, blocked --------------------------------------------------------
+
+CARD_A, CARD_B = "0000:03:00.0", "0000:04:00.0"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 5000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _mes_host(base: Path):
+    from doubles.ops_host import CardSpec, add_debugfs_card, build_host_tree, debugfs_dri, mes_ring, render_mes_event_log
+
+    root = build_host_tree(base, [CardSpec(CARD_A), CardSpec(CARD_B)])
+    for minor, (bdf, ring) in enumerate(((CARD_A, 3), (CARD_B, 5))):
+        add_debugfs_card(root, bdf, minor, render_mes_event_log(mes_ring(ring)), "device")
+    return root, lambda bdf: debugfs_dri(root) / bdf / "amdgpu_mes_event_log"
+
+
+def _mes_scrape(collector, errors) -> dict[tuple[str, frozenset], float]:
+    from r9k.monitoring.exporter import R9kCollector
+
+    return _scrape_no_cards(R9kCollector({"mes_log": collector}, errors))
+
+
+def _mes(samples, name: str, bdf: str) -> float | None:
+    return samples.get((f"r9k_gpu_mes_log_{name}", frozenset({("bdf", bdf)})))
+
+
+def test_an_unreadable_mes_log_keeps_counting_so_the_stall_alert_can_fire(tmp_path):
+    from r9k.monitoring.mes_log import MesLogCollector
+    from r9k.monitoring.scrape_errors import ScrapeErrors
+
+    root, log = _mes_host(tmp_path)
+    clock, errors = _Clock(), ScrapeErrors()
+    collector = MesLogCollector(errors, root, "/sys/kernel/debug", clock=clock)
+    s = _mes_scrape(collector, errors)
+    assert _mes(s, "unchanged_seconds", CARD_A) == 0 and _mes(s, "readable", CARD_A) == 1
+    good = log(CARD_A).read_bytes()
+    log(CARD_A).unlink()
+    log(CARD_A).mkdir()  # open() fails even for root: unreadable as EIO during a hang would be
+    for elapsed in (100, 400):
+        clock.now = 5000.0 + elapsed
+        s = _mes_scrape(collector, errors)
+        assert _mes(s, "readable", CARD_A) == 0
+        assert _mes(s, "unchanged_seconds", CARD_A) == elapsed  # before: the series vanished
+    assert errors.value("debugfs") == 2
+    log(CARD_A).rmdir()
+    log(CARD_A).write_bytes(good)  # readable again and still the same: the count went on
+    clock.now = 5500.0
+    assert _mes(_mes_scrape(collector, errors), "unchanged_seconds", CARD_A) == 500
+    # A log unreadable from the start counts from when the card was first seen.
+    fresh = MesLogCollector(errors, root, "/sys/kernel/debug", clock=clock)
+    log(CARD_B).unlink()
+    log(CARD_B).mkdir()
+    _mes_scrape(fresh, errors)
+    clock.now += 300
+    s = _mes_scrape(fresh, errors)
+    assert _mes(s, "readable", CARD_B) == 0 and _mes(s, "unchanged_seconds", CARD_B) == 300
+
+
+def _mes_readers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("r9k-mes-log")]
+
+
+def test_a_blocking_mes_log_read_holds_neither_the_scrape_nor_the_other_card(tmp_path):
+    """Card A's log is a FIFO nobody writes: opening it blocks, as a debugfs read can while the
+    firmware is hung. A scrape ends after the read deadline with A unreadable (its count going
+    on) and B read; later scrapes do not pile up readers of A; the reader ends once A answers."""
+    from r9k.monitoring.mes_log import MesLogCollector
+    from r9k.monitoring.scrape_errors import ScrapeErrors
+
+    root, log = _mes_host(tmp_path)
+    clock, errors = _Clock(), ScrapeErrors()
+    collector = MesLogCollector(errors, root, "/sys/kernel/debug", clock=clock, read_deadline_s=0.5)
+    _mes_scrape(collector, errors)
+    good = log(CARD_A).read_bytes()
+    log(CARD_A).unlink()
+    os.mkfifo(log(CARD_A))
+    results: list = []
+    for _ in range(3):
+        clock.now += 100
+        scraper = threading.Thread(target=lambda: results.append(_mes_scrape(collector, errors)), daemon=True)
+        started = time.monotonic()
+        scraper.start()
+        scraper.join(5.0)
+        assert not scraper.is_alive(), "the scrape waited for the blocked read"  # before: for ever
+        assert time.monotonic() - started < 3.0
+    s = results[-1]
+    assert _mes(s, "readable", CARD_A) == 0 and _mes(s, "unchanged_seconds", CARD_A) == 300
+    assert _mes(s, "readable", CARD_B) == 1
+    assert _mes_readers() == [f"r9k-mes-log-{CARD_A}"]  # one blocked reader, not one per scrape
+    with open(log(CARD_A), "wb") as writer:  # the firmware answers
+        writer.write(good)
+    deadline = time.monotonic() + 5
+    while _mes_readers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _mes_readers() == []
+    log(CARD_A).unlink()
+    log(CARD_A).write_bytes(good)
+    s = _mes_scrape(collector, errors)
+    assert _mes(s, "readable", CARD_A) == 1 and _mes(s, "unchanged_seconds", CARD_A) == 300

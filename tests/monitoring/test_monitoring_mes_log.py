@@ -151,7 +151,8 @@ def test_a_malformed_log_is_counted_and_keeps_the_card_count(tmp_path, content):
     s = scrape(exporter)
     assert value(s, "r9k_gpu_mes_log_enabled", bdf=CARD_A) == 1
     assert value(s, "r9k_gpu_mes_log_readable", bdf=CARD_A) == 0
-    assert value(s, "r9k_gpu_mes_log_unchanged_seconds", bdf=CARD_A) is None  # unknown, not 0
+    # counts on from the last change: a log that cannot be read must not silence the stall alert
+    assert value(s, "r9k_gpu_mes_log_unchanged_seconds", bdf=CARD_A) == 120
     assert debugfs_errors(s) == 1
     assert value(s, "r9k_gpu_mes_log_unchanged_seconds", bdf=CARD_B) == 120  # the other card unaffected
     # The same log readable again: it did not change, so the count went on through the bad read.
