@@ -206,7 +206,7 @@ def _record_power(state_dir: str | os.PathLike | None, statuses: list[CardStatus
     if state_dir is None:
         return
     for status in statuses:
-        if not status.managed or status.fenced or status.card is None:
+        if not status.managed or status.fenced:
             continue
         since = (over_cap_since or {}).get(status.bdf, _KEEP)
 

@@ -342,14 +342,18 @@ def state_dir_problem(state_dir: str | os.PathLike) -> str | None:
     Checked only when running as root: a user's own state dir is that user's business."""
     if os.geteuid() != 0:
         return None
-    from r9k.ops.config import _replaceable  # config imports this module
+    from r9k.ops.config import _replaceable, _replaceable_dirs  # config imports this module
 
-    for directory in (Path(state_dir), cards_dir(state_dir)):
-        if not os.path.lexists(directory):
-            continue
-        problem = _replaceable(directory, "ops state")
-        if problem:
-            return problem
+    directory = Path(state_dir).absolute()
+    if not os.path.lexists(directory):
+        # to be created: the nearest directory above it must be root's (a sticky /tmp is fine)
+        existing = next(p for p in directory.parents if os.path.lexists(p))
+        return _replaceable_dirs(existing / directory.name, "ops state")
+    for directory in (directory, cards_dir(directory)):
+        if os.path.lexists(directory):
+            problem = _replaceable(directory, "ops state")
+            if problem:
+                return problem
     return None
 
 

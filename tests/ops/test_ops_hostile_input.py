@@ -465,6 +465,13 @@ def test_a_state_dir_others_can_write_is_refused_and_its_card_files_read_unhealt
         result = _ops(*args, "--state-dir", str(state))
         assert result.exit_code == 2, (args, result.output)
         assert f"--state-dir {state}: ops state {cards_dir(state)} is writable" in _one_line(result.output)
+    # one still to be created, in a directory anyone can write: refused, nothing created
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)
+    result = _ops("apply", "--config", str(cfg), "--host-root", str(host), "--state-dir", str(open_parent / "s"))
+    assert result.exit_code == 2 and f"ops state directory {open_parent} is writable" in _one_line(result.output)
+    assert not (open_parent / "s").exists()
 
 
 def test_a_planted_heartbeat_link_does_not_make_root_create_its_target(tmp_path):
