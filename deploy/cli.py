@@ -67,6 +67,8 @@ def _call(url: str, path: str, body: dict | None = None, timeout: float = 30) ->
                                    f"{resp.text[:200]!r}") from None
 
 
+EXIT_FLEET_DOWN = 3  # `r9k fleet down` stopped the controller (r9k-fleet.service: RestartPreventExitStatus)
+
 url_option = click.option("--url", help="the fleet entry point, e.g. http://127.0.0.1:8000")
 run_dir_option = click.option("--run-dir", help=RUN_DIR_HELP)
 
@@ -108,7 +110,9 @@ def check(config: str, as_json: bool) -> None:
 @click.option("--detach", is_flag=True, help="run the controller in the background and return when placed")
 @run_dir_option
 def up(config: str, detach: bool, run_dir: str | None) -> None:
-    """Start or join Ray, place the replicas, serve the entry point (Ctrl-C stops the fleet)."""
+    """Start or join Ray, place the replicas, serve the entry point (Ctrl-C stops the fleet).
+
+    Exit status 3 after `r9k fleet down` stopped it (its systemd unit does not restart on 3)."""
     from r9k.deploy.config import FleetConfigError
     from r9k.deploy.controller import CONTROLLER_FILE, FleetController, default_run_dir
 
@@ -158,6 +162,10 @@ def up(config: str, detach: bool, run_dir: str | None) -> None:
         await controller.stop()
 
     asyncio.run(main())
+    if controller.down_requested:
+        # stopped by `r9k fleet down`: a status of its own, so the unit (Restart=always, for
+        # exits nobody asked for) does not start the fleet again (RestartPreventExitStatus)
+        sys.exit(EXIT_FLEET_DOWN)
 
 
 def _kv(d: dict) -> str:

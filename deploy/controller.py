@@ -113,6 +113,7 @@ class FleetController(Backend):
                          if cfg.exporter is not None else None)
         self.started_ray = False
         self.stopping = asyncio.Event()
+        self.down_requested = False  # `r9k fleet down` asked: `fleet up` exits with its own status
         self.plans = {m.name: planned_pool(m, cfg) for m in cfg.models}
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -617,6 +618,7 @@ class FleetController(Backend):
         if action == "restart":
             return 200, {"restarted": await self.restart_rolling()}
         if action == "down":
+            self.down_requested = True
             asyncio.get_running_loop().call_later(0.1, self.stopping.set)
             return 200, {"stopping": True}
         return 404, {"error": f"unknown action {action!r}; expected drain, undrain (card), restart or down"}

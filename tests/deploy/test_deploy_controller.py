@@ -583,3 +583,17 @@ def test_status_carries_each_replicas_engine_load_with_its_age(fleet):
     r.route.engine = EngineLoad(3, 1, 0.5, time.monotonic() - 2.0)
     load = c.status().replicas[0].engine_load
     assert (load.running, load.waiting, load.kv_usage_ratio) == (3, 1, 0.5) and 2.0 <= load.age_s < 3.0
+
+
+def test_fleet_down_is_marked_so_the_unit_does_not_start_the_fleet_again(fleet):
+    """`r9k fleet down` stops the controller on purpose: `fleet up` then exits with
+    EXIT_FLEET_DOWN, which r9k-fleet.service (Restart=always) does not restart on."""
+    c, _ = fleet
+
+    async def scenario():
+        assert not c.down_requested
+        status = await c.admin("down", {})
+        await asyncio.wait_for(c.stopping.wait(), 5)
+        return status
+
+    assert run(scenario()) == (200, {"stopping": True}) and c.down_requested

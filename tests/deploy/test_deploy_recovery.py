@@ -145,7 +145,10 @@ def test_install_units_writes_the_ray_head_and_a_self_restarting_controller(tmp_
     controller = (dest / "r9k-fleet.service").read_text()
     head = (dest / "r9k-ray-head.service").read_text()
     assert f"ExecStart={r9k_bin} fleet up --config {fleet} --run-dir /var/lib/r9k" in controller
-    assert "Restart=on-failure" in controller and "Requires=r9k-ray-head.service" in controller
+    assert "Restart=always" in controller and "Requires=r9k-ray-head.service" in controller
+    # `r9k fleet down` exits with a status of its own, which the unit does not restart on
+    from r9k.deploy.cli import EXIT_FLEET_DOWN
+    assert f"RestartPreventExitStatus={EXIT_FLEET_DOWN}" in controller
     assert f"ExecStart={r9k_bin} fleet ray-head --config {fleet}" in head
     assert not any("@" in ln for p in dest.iterdir() for ln in p.read_text().splitlines()
                    if not ln.startswith("#"))
