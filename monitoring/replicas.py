@@ -28,12 +28,15 @@ from pydantic import ValidationError
 
 from r9k import capacity
 from r9k.config_errors import read_config_bytes, validation_message
-from r9k.fleet_status import FleetStatus, ReplicaDescription  # the typed interface (r9k.fleet_status)
+from r9k.fleet_status import FleetStatus, ReplicaDescription, ReplicaStatus  # the typed interface
 from r9k.http_client import HttpUnreachable
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
+# How deploy's health check words its token-progress verdict (deploy/health.py), the reason the
+# fleet reports until it restarts the engine.
+HUNG_REASON_PREFIX = "hung:"
 PINNED_KINDS = ("gdn", "attention", "ple")  # ple: Qwen4Exp's short-conv pages (0 elsewhere)
 DEFAULT_TIMEOUT_S = 2.0
 # The whole replica phase (fleet status and every replica) ends by this deadline, so hung replicas
@@ -420,6 +423,13 @@ class ReplicaCollector:
         waiting = gauge("r9k_replica_requests_waiting", "Requests waiting (vllm:num_requests_waiting).")
         preempt = CounterMetricFamily("r9k_replica_preemptions", "Preemptions (vllm:num_preemptions_total).",
                                       labels=rm)
+        tokens = CounterMetricFamily("r9k_replica_generation_tokens",
+                                     "Tokens generated (vllm:generation_tokens_total, summed over engines): "
+                                     "flat while requests run means the replica is hung.", labels=rm)
+        hung = gauge("r9k_replica_hung",
+                     "1 while the fleet reports the replica hung by its token-progress check (requests "
+                     "queued or running, no new token for progress_timeout_s), until it restarts it; "
+                     "fleet replicas only.")
         usage = gauge("r9k_kv_usage_ratio", "Share of the KV pool in use, 0-1 (vllm:kv_cache_usage_perc).")
         blocks = gauge("r9k_kv_pool_blocks", "Blocks in the replica's KV pool (num_gpu_blocks).")
         block_size = gauge("r9k_kv_block_size_tokens", "Tokens per attention block.")
@@ -444,9 +454,11 @@ class ReplicaCollector:
             if r.desc.state is not None:
                 for s in REPLICA_STATES:
                     state.add_metric(labels + [s], 1.0 if s == r.desc.state else 0.0)
+                if isinstance(r.desc, ReplicaStatus):
+                    hung.add_metric(labels, 1.0 if (r.desc.reason or "").startswith(HUNG_REASON_PREFIX) else 0.0)
             m = r.metrics
             for family, value in ((running, m.running), (waiting, m.waiting), (usage, m.kv_usage_ratio),
-                                  (preempt, m.preemptions), (blocks, m.num_blocks),
+                                  (preempt, m.preemptions), (tokens, m.generation_tokens), (blocks, m.num_blocks),
                                   (block_size, m.block_size)):
                 if value is not None:
                     family.add_metric(labels, float(value))
@@ -459,7 +471,7 @@ class ReplicaCollector:
             if r.whole_requests is not None:
                 for mode in PAGE_MODES:
                     whole.add_metric(labels + [mode], float(r.whole_requests[mode]))
-        yield from (up, info, cards, state, running, waiting, preempt, usage, blocks, block_size,
+        yield from (up, info, cards, state, hung, running, waiting, preempt, tokens, usage, blocks, block_size,
                     pinned, cap_tokens, whole)
 
 

@@ -610,3 +610,37 @@ def test_a_blocking_mes_log_read_holds_neither_the_scrape_nor_the_other_card(tmp
     log(CARD_A).write_bytes(good)
     s = _mes_scrape(collector, errors)
     assert _mes(s, "readable", CARD_A) == 1 and _mes(s, "unchanged_seconds", CARD_A) == 300
+
+
+# -- a replica hung by token progress ----------------------------------------------------------
+
+def test_a_replica_the_fleet_found_hung_is_exported_with_its_token_counter():
+    from doubles.monitored_host import FakeFleet
+    from test_monitoring_rules import TokenCountingReplica
+
+    from r9k.monitoring.exporter import build_collector
+    from r9k.monitoring.replicas import ReplicaDescription
+
+    verdict = ("hung: 5 request(s) queued or running and no new token for 61 s "
+               "(generation_tokens_total stuck at 12)")  # deploy/health.py's wording
+    with TokenCountingReplica(running=2, waiting=3) as replica:
+        doc = {"replicas": [{"name": "r1", "url": replica.url, "state": "unhealthy", "reason": verdict},
+                            {"name": "r2", "url": replica.url, "state": "ready", "reason": "onepage pages"}]}
+        with FakeFleet(doc) as fleet:
+            collector = build_collector(cards=False, fleet_url=fleet.url + "/status",
+                                        replicas=[ReplicaDescription(name="r3", url=replica.url)])
+            samples = _scrape_no_cards(collector)
+
+    def get(name: str, replica_name: str) -> float | None:
+        return samples.get((name, frozenset({("replica", replica_name), ("model", "tiny")})))
+
+    assert [get("r9k_replica_hung", r) for r in ("r1", "r2", "r3")] == [1.0, 0.0, None]  # r3: no fleet
+    assert [get("r9k_replica_generation_tokens_total", r) for r in ("r1", "r2", "r3")] == [12.0] * 3
+
+
+def test_the_hang_runbooks_say_token_progress_comes_first_and_the_kernel_log_may_be_silent():
+    runbooks = Path(__file__).resolve().parents[2] / "monitoring" / "runbooks"
+    for name in ("replica-hung.md", "gpu-mes-timeout.md", "gpu-mes-log-stalled.md", "replica-down.md"):
+        text = " ".join((runbooks / name).read_text().split())
+        assert "token progress" in text.lower() and "primary" in text, name
+        assert re.search(r"nothing (logged|in the kernel log)", text), name

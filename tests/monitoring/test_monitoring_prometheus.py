@@ -13,10 +13,11 @@ import yaml
 
 from r9k import capacity
 from r9k.monitoring.exporter import build_collector, build_registry, serve
-from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, FakeReplica, build_monitored_host,
+from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, build_monitored_host,
                                      record_kernel_log)
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import free_port, running_prometheus
+from test_monitoring_rules import TokenCountingReplica
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 # Grafana's variables and interval macros, as a person viewing "All" over the last hour sees them.
@@ -32,7 +33,7 @@ def site(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(build_config()))
     dead = free_port()
-    with FakeReplica(model_name="tiny", root=str(model), max_model_len=4096, running=3, waiting=2,
+    with TokenCountingReplica(model_name="tiny", root=str(model), max_model_len=4096, running=3, waiting=2,
                      kv_usage_ratio=0.97, preemptions=1, num_gpu_blocks=100, block_size=128) as replica:
         doc = {"replicas": [
             {"name": "r1", "url": replica.url, "num_spec": 2, "mode": "onepage", "platform": "cpu",

@@ -112,6 +112,23 @@ def test_prometheus_scrape_config_is_valid():
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+class TokenCountingReplica(FakeReplica):
+    """FakeReplica plus vLLM's generated-token counter (what ReplicaHung watches)."""
+
+    generation_tokens = 12
+
+    def respond(self, path: str):
+        found = super().respond(path)
+        if path == "/metrics" and found is not None:
+            body, content_type = found
+            extra = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+                     "# TYPE vllm:generation_tokens_total counter\n"
+                     f'vllm:generation_tokens_total{{engine="0",model_name="{self.model_name}"}} '
+                     f"{float(self.generation_tokens)}\n")
+            return body + extra.encode(), content_type
+        return found
+
+
 @pytest.fixture(scope="module")
 def exported_names(tmp_path_factory) -> set[str]:
     """Every family the exporter writes for a host with cards, events, MES event logs (--debugfs)
@@ -122,7 +139,7 @@ def exported_names(tmp_path_factory) -> set[str]:
     model = base / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(build_config()))
-    with FakeReplica(running=2, num_gpu_blocks=50) as replica:
+    with TokenCountingReplica(running=2, num_gpu_blocks=50) as replica:
         doc = {"replicas": [{"name": "r1", "url": replica.url, "model_config": str(model), "num_spec": 2,
                              "mode": "onepage", "platform": "cpu", "state": "ready", "cards": ["0000:03:00.0"]}]}
         with FakeFleet(doc) as fleet:
