@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 
-from r9k.monitoring import web_config
 from r9k.monitoring.web_config import BasicAuth, WebConfig, serve
 
 USER, PASSWORD = "prometheus", "scrape-secret"
