@@ -49,12 +49,17 @@ DEFAULT_PORT = 9700
 @click.option("--debugfs", metavar="DIR", envvar="R9K_DEBUGFS",
               help="debugfs mount point under --host-root (normally /sys/kernel/debug): turns on the MES "
                    "event-log liveness collector (needs amdgpu.mes_log_enable=1 and root); off when not given.")
+@click.option("--energy-sample-hz", type=FiniteFloat(0, 100), default=1.0, show_default=True,
+              envvar="R9K_ENERGY_SAMPLE_HZ",
+              help="Power samples per second per card for r9k_gpu_energy_joules_total (0: off).")
+@click.option("--host-name", default=None, envvar="R9K_HOST_NAME",
+              help="This host's name in the fleet (the `host` label energy is joined on; default: hostname).")
 @click.option("--once", is_flag=True, help="Collect once, print the metrics, exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the samples as JSON.")
 def exporter(port: int, listen: str, web_config_file: Path | None, host_root: str, state_dir: str, config_path: str,
              replica_specs: tuple[str, ...], replica_file: Path | None, fleet_url: str | None,
-             timeout_s: float, replica_budget_s: float, cards: bool, debugfs: str | None, once: bool,
-             as_json: bool) -> None:
+             timeout_s: float, replica_budget_s: float, cards: bool, debugfs: str | None,
+             energy_sample_hz: float, host_name: str | None, once: bool, as_json: bool) -> None:
     """Prometheus exporter: per card power/cap/undervolt/temps/VRAM/faults, per replica KV pool and pinning."""
     from r9k.monitoring.exporter import build_collector, build_registry, render, serve
     from r9k.http_client import host_url, is_loopback
@@ -97,8 +102,12 @@ def exporter(port: int, listen: str, web_config_file: Path | None, host_root: st
     if dupes:
         raise BadInput(f"replica name {', '.join(dupes)} given twice; expected unique names (add name=...)")
 
+    if energy_sample_hz and not 0.1 <= energy_sample_hz:
+        raise BadInput(f"--energy-sample-hz {energy_sample_hz:g}: expected 0 (off) or 0.1 to 100")
     collector = build_collector(host_root, state_dir, config_path, replicas, fleet_url, timeout_s,
-                                replica_budget_s, cards=cards, debugfs=debugfs)
+                                replica_budget_s, cards=cards, debugfs=debugfs,
+                                energy_sample_hz=energy_sample_hz if cards and not once else 0.0,
+                                host_name=host_name)
     mes_log = collector.parts.get("mes_log")
     debugfs_problem = mes_log.unreadable_reason() if mes_log is not None else None
     if debugfs_problem is not None:  # not fatal: exported as r9k_host_debugfs_readable 0, the rest is served

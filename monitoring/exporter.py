@@ -16,10 +16,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from r9k.monitoring import web_config
 from r9k.monitoring.cards import CARD_COLLECTORS
+from r9k.monitoring.energy import EnergyCollector
 from r9k.monitoring.mes_log import MesLogCollector
 from r9k.monitoring.replicas import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S, ReplicaCollector, ReplicaDescription
 from r9k.monitoring.scrape_errors import ScrapeErrors
 from r9k.ops.config import DEFAULT_CONFIG_PATH
+from r9k.ops.energy import EnergyMeter
 from r9k.ops.state import DEFAULT_STATE_DIR
 
 logger = logging.getLogger(__name__)
@@ -63,9 +65,13 @@ def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.Path
                     config_path: str | os.PathLike = DEFAULT_CONFIG_PATH,
                     replicas: list[ReplicaDescription] | None = None, fleet_url: str | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S, replica_budget_s: float = DEFAULT_BUDGET_S,
-                    cards: bool = True, debugfs: str | os.PathLike | None = None) -> R9kCollector:
+                    cards: bool = True, debugfs: str | os.PathLike | None = None,
+                    energy_sample_hz: float = 0.0, host_name: str | None = None) -> R9kCollector:
     """``cards=False``: replicas only (the fleet's own exporter; each host's exporter has the cards).
-    ``debugfs``: debugfs mount point under ``host_root`` for the MES event-log collector (off when None)."""
+    ``debugfs``: debugfs mount point under ``host_root`` for the MES event-log collector (off when None).
+    ``energy_sample_hz`` > 0: each card's power sampled that often and integrated (a thread,
+    started here), exported as r9k_gpu_energy_joules_total{host,bdf} (``host_name``, default
+    the hostname: the fleet's name for this host)."""
     errors = ScrapeErrors()
     parts: dict[str, _Collector] = {}
     if cards:
@@ -73,6 +79,9 @@ def build_collector(host_root: str | os.PathLike = "/", state_dir: str | os.Path
             parts[name] = collector(errors, host_root, state_dir, config_path)
         if debugfs is not None:
             parts["mes_log"] = MesLogCollector(errors, host_root, debugfs)
+        if energy_sample_hz > 0:
+            meter = EnergyMeter(str(host_root), sample_hz=energy_sample_hz, host=host_name).start()
+            parts["energy"] = EnergyCollector(meter)
     parts["replicas"] = ReplicaCollector(errors, replicas, fleet_url, timeout_s, replica_budget_s)
     return R9kCollector(parts, errors)
 
