@@ -226,7 +226,47 @@ def kv_cache() -> dict:
     ])
 
 
-DASHBOARDS = {"r9k-power-thermals.json": power_thermals, "r9k-faults.json": faults, "r9k-kv-cache.json": kv_cache}
+def energy() -> dict:
+    """What a token costs: the recording rules of monitoring/rules/r9k.energy.rules.yml (card
+    energy joined to replicas by the fleet's card map) and each card's draw against its cap."""
+    t = "timeseries"
+    rep = 'replica=~"$replica"'
+    host = 'host=~"$host"'
+    return build("r9k-energy", "R9700 fleet: energy per token", ["r9k", "energy"], [
+        _variable("replica", "Replica", "label_values(r9k_replica_info, replica)"),
+        _variable("host", "Host", "label_values(r9k_gpu_energy_joules_total, host)"),
+    ], [
+        PanelSpec(t, "Output tokens per joule, per replica", (0, 0, 12, 8), [
+            (f"r9k:replica_output_tokens_per_joule:1m{{{rep}}}", "{{replica}}")], unit="short",
+            description="Output tokens over the energy of the replica's cards (their energy counters, "
+                        "1 m rate). Absent while a replica generates nothing."),
+        PanelSpec(t, "Joules per output token: stock vs one-page", (12, 0, 12, 8), [
+            ("r9k:page_mode_joules_per_output_token:1m", "{{page_mode}}")], unit="J",
+            description="Every replica of a page mode: their cards' energy over their output tokens "
+                        "(idle replicas' draw counts against their mode)."),
+        PanelSpec(t, "Draw and cap per card", (0, 8, 12, 8), [
+            (f"rate(r9k_gpu_energy_joules_total{{{host}}}[$__rate_interval])", "{{host}} {{bdf}} draw"),
+            (f"r9k_gpu_power_cap_watts and on (instance, bdf) r9k_gpu_energy_joules_total{{{host}}}",
+             "{{instance}} {{bdf}} cap")], unit="watt",
+            description="Draw from the energy counter (what was integrated, not one sample)."),
+        PanelSpec(t, "Watts per running request", (12, 8, 12, 8), [
+            (f"r9k:replica_watts_per_running_request:1m{{{rep}}}", "{{replica}}")], unit="watt",
+            description="A replica's draw over the requests it runs: one-page runs more requests in "
+                        "the same pool, for about the same card power."),
+        PanelSpec(t, "Replica draw", (0, 16, 12, 8), [
+            (f"r9k:replica_energy_watts:rate1m{{{rep}}}", "{{replica}}")], unit="watt"),
+        PanelSpec("stat", "Energy not integrated in range", (12, 16, 6, 8), [
+            (f"sum(increase(r9k_gpu_energy_gap_seconds_total{{{host}}}[$__range])) or vector(0)", "gaps")],
+            unit="s", no_value="0",
+            description="Seconds no power sample covered (failed or late reads, energy counter "
+                        "restarts): joules per token are low by that share."),
+        PanelSpec("table", "Energy source per card", (18, 16, 6, 8), [
+            (f"r9k_gpu_energy_source_info{{{host}}}", "{{host}} {{bdf}} {{source}}")]),
+    ])
+
+
+DASHBOARDS = {"r9k-power-thermals.json": power_thermals, "r9k-faults.json": faults, "r9k-kv-cache.json": kv_cache,
+              "r9k-energy.json": energy}
 
 
 def render_all() -> dict[str, str]:

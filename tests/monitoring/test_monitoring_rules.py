@@ -143,8 +143,11 @@ def exported_names(tmp_path_factory) -> set[str]:
         doc = {"replicas": [{"name": "r1", "url": replica.url, "model_config": str(model), "num_spec": 2,
                              "mode": "onepage", "platform": "cpu", "state": "ready", "cards": ["0000:03:00.0"]}]}
         with FakeFleet(doc) as fleet:
-            text = render(build_registry(build_collector(root, state, config, fleet_url=fleet.url + "/status",
-                                                         debugfs="/sys/kernel/debug")))
+            collector = build_collector(root, state, config, fleet_url=fleet.url + "/status",
+                                        debugfs="/sys/kernel/debug", energy_sample_hz=10.0)
+            collector.parts["energy"].meter.sample_once()   # the thread's first sample, now
+            text = render(build_registry(collector))
+            collector.parts["energy"].meter.stop()
     names = set()
     for family in text_string_to_metric_families(text):
         names |= {s.name for s in family.samples}
@@ -211,7 +214,8 @@ def test_kv_dashboard_has_an_instance_variable_and_counts_show_zero():
 
 
 def test_dashboards_are_valid_and_use_exported_metrics(exported_names):
-    assert {p.name for p in DASHBOARDS} == {"r9k-power-thermals.json", "r9k-faults.json", "r9k-kv-cache.json"}
+    assert {p.name for p in DASHBOARDS} == {"r9k-power-thermals.json", "r9k-faults.json", "r9k-kv-cache.json",
+                                           "r9k-energy.json"}
     uids = set()
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())
@@ -227,6 +231,13 @@ def test_dashboards_are_valid_and_use_exported_metrics(exported_names):
                 assert used <= variables, (path.name, panel["title"], used)
     used_metrics = set().union(*(metric_names(e) for _, _, e in dashboard_targets()))
     assert not used_metrics - exported_names, used_metrics - exported_names
+    # recorded series the dashboards read are recorded by a rule file Prometheus loads
+    recorded = {r["record"] for f in (MONITORING / "rules").glob("*.rules.yml")
+                for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"]}
+    used_recorded = set().union(*(set(re.findall(r"\br9k:[a-z0-9_:]+", e)) for _, _, e in dashboard_targets()))
+    assert used_recorded and used_recorded <= recorded, used_recorded - recorded
+    loaded = yaml.safe_load((MONITORING / "prometheus.yml").read_text())["rule_files"]
+    assert {f"rules/{f.name}" for f in (MONITORING / "rules").glob("*.rules.yml")} <= set(loaded)
     # The three views: power and thermals, faults, KV cache and pinning.
     assert {"r9k_gpu_power_watts", "r9k_gpu_temperature_celsius", "r9k_gpu_events_total",
             "r9k_gpu_unhealthy", "r9k_kv_pinned_ratio", "r9k_kv_capacity_tokens"} <= used_metrics
