@@ -6,12 +6,15 @@ the fleet's probes, load generators) use aiohttp. Nothing else speaks HTTP.
 """
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class HttpUnreachable(OSError):
@@ -31,24 +34,63 @@ class HttpResponse:
         return json.loads(self.body)
 
 
+def _cut(conn: http.client.HTTPConnection) -> None:
+    """The deadline passed: shut the socket, which ends any recv or send blocked on it."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def http_request(url: str, *, method: str = "GET", json_body: Any = None,
                  headers: dict[str, str] | None = None, timeout_s: float = 10.0,
                  max_bytes: int = 64 << 20) -> HttpResponse:
-    """One request; any HTTP status is an answer (returned), no answer raises HttpUnreachable."""
+    """One request; any HTTP status is an answer (returned), no answer raises HttpUnreachable.
+    ``timeout_s`` bounds the whole exchange (connecting, sending, the headers and every byte of
+    the body), not each read: a server that trickles its answer cannot hold the caller, or its
+    thread, longer. A body over ``max_bytes`` is cut there."""
     data = None
     hdrs = dict(headers or {})
+    hdrs.setdefault("Connection", "close")
     if json_body is not None:
         data = json.dumps(json_body).encode()
         hdrs.setdefault("Content-Type", "application/json")
-    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 (http only)
-            return HttpResponse(resp.status, resp.read(max_bytes))
-    except urllib.error.HTTPError as exc:
-        return HttpResponse(exc.code, exc.read(max_bytes))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise HttpUnreachable(f"{url}: no answer ({reason})") from None
+        parts = urlsplit(url)
+        port = parts.port
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http(s)://host[:port] URL")
+    except ValueError as exc:
+        raise HttpUnreachable(f"{url}: no answer ({exc})") from None
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname, port, timeout=timeout_s)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    deadline = time.monotonic() + timeout_s
+    timer = threading.Timer(timeout_s, _cut, args=(conn,))
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.request(method, target, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        chunks, size = [], 0
+        while size < max_bytes:
+            chunk = resp.read(min(1 << 16, max_bytes - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if time.monotonic() >= deadline:  # cut by the timer: what came is not the whole answer
+            raise TimeoutError
+        return HttpResponse(resp.status, b"".join(chunks))
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        if time.monotonic() >= deadline or isinstance(exc, TimeoutError):
+            raise HttpUnreachable(f"{url}: no complete answer within {timeout_s:g} s") from None
+        raise HttpUnreachable(f"{url}: no answer ({exc or type(exc).__name__})") from None
+    finally:
+        timer.cancel()
+        conn.close()
 
 
 def http_get(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,

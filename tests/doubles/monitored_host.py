@@ -217,3 +217,26 @@ def record_kernel_log(host_root, state_dir, log_path, lines: list[str]) -> None:
         Watcher(source, state_dir, host_root).poll(final=True)
     finally:
         source.close()
+
+
+class TokenCountingReplica(FakeReplica):
+    """FakeReplica plus vLLM's generated-token counter (what ReplicaHung and the energy rules
+    read); each /metrics read adds `tokens_per_read` (0: a replica that makes no progress)."""
+
+    generation_tokens = 12
+
+    def __init__(self, *args, tokens_per_read: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokens_per_read = tokens_per_read
+
+    def respond(self, path: str):
+        found = super().respond(path)
+        if path == "/metrics" and found is not None:
+            self.generation_tokens += self.tokens_per_read
+            body, content_type = found
+            extra = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+                     "# TYPE vllm:generation_tokens_total counter\n"
+                     f'vllm:generation_tokens_total{{engine="0",model_name="{self.model_name}"}} '
+                     f"{float(self.generation_tokens)}\n")
+            return body + extra.encode(), content_type
+        return found

@@ -76,12 +76,13 @@ class PromAPI:
 @contextlib.contextmanager
 def running_prometheus(jobs: dict[str, str], tmp_path: Path):
     """A real Prometheus on loopback scraping `jobs` (name -> host:port) every second, with the
-    repo's alert rules loaded; yields its API."""
+    repo's alert and recording rules loaded; yields its API."""
     binary = prometheus_binary()
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(MONITORING / "alerts/r9k.rules.yml")],
+        "rule_files": [str(MONITORING / "alerts/r9k.rules.yml"),
+                       *sorted(str(p) for p in (MONITORING / "rules").glob("*.rules.yml"))],
         "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}
                            for job, target in jobs.items()],
     }

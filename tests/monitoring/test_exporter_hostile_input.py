@@ -615,7 +615,7 @@ def test_a_blocking_mes_log_read_holds_neither_the_scrape_nor_the_other_card(tmp
 
 def test_a_replica_the_fleet_found_hung_is_exported_with_its_token_counter():
     from doubles.monitored_host import FakeFleet
-    from test_monitoring_rules import TokenCountingReplica
+    from doubles.monitored_host import TokenCountingReplica
 
     from r9k.monitoring.exporter import build_collector
     from r9k.monitoring.replicas import ReplicaDescription

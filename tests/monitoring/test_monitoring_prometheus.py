@@ -13,16 +13,15 @@ import yaml
 
 from r9k import capacity
 from r9k.monitoring.exporter import build_collector, build_registry, serve
-from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, build_monitored_host,
-                                     record_kernel_log)
+from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, TokenCountingReplica,
+                                     build_monitored_host, record_kernel_log)
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import free_port, running_prometheus
-from test_monitoring_rules import TokenCountingReplica
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 # Grafana's variables and interval macros, as a person viewing "All" over the last hour sees them.
 DASHBOARD_SUBSTITUTIONS = {"$__rate_interval": "5s", "$__range": "1h", "$instance": ".*", "$bdf": ".*",
-                           "$replica": ".*"}
+                           "$replica": ".*", "$host": ".*"}
 
 
 @pytest.fixture
@@ -34,16 +33,18 @@ def site(tmp_path):
     (model / "config.json").write_text(json.dumps(build_config()))
     dead = free_port()
     with TokenCountingReplica(model_name="tiny", root=str(model), max_model_len=4096, running=3, waiting=2,
-                     kv_usage_ratio=0.97, preemptions=1, num_gpu_blocks=100, block_size=128) as replica:
+                              kv_usage_ratio=0.97, preemptions=1, num_gpu_blocks=100, block_size=128,
+                              tokens_per_read=40) as replica:
         doc = {"replicas": [
             {"name": "r1", "url": replica.url, "num_spec": 2, "mode": "onepage", "platform": "cpu",
-             "state": "ready", "cards": [CARD_A]},
+             "state": "ready", "cards": [CARD_A], "host": "fixture-host"},
             {"name": "r2", "url": f"http://127.0.0.1:{dead}", "model": "tiny", "state": "unhealthy",
-             "cards": [CARD_B]},
+             "cards": [CARD_B], "host": "fixture-host"},
         ]}
         with FakeFleet(doc) as fleet:
             collector = build_collector(root, state, config, fleet_url=fleet.url + "/status", timeout_s=0.5,
-                                        debugfs="/sys/kernel/debug")
+                                        debugfs="/sys/kernel/debug", energy_sample_hz=5.0,
+                                        host_name="fixture-host")
             server, _ = serve(build_registry(collector), 0, "127.0.0.1")
             try:
                 yield {"root": root, "state": state, "tmp": tmp_path, "replica": replica,
@@ -51,6 +52,7 @@ def site(tmp_path):
             finally:
                 server.shutdown()
                 server.server_close()
+                collector.parts["energy"].meter.stop()
 
 
 @pytest.fixture
@@ -121,8 +123,8 @@ def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):
     # Every rule loads and evaluates without error.
     groups = api.get("/api/v1/rules")["groups"]
     loaded = [r for g in groups for r in g["rules"]]
-    in_file = [r for g in yaml.safe_load((MONITORING / "alerts/r9k.rules.yml").read_text())["groups"]
-               for r in g["rules"]]
+    in_file = [r for f in [MONITORING / "alerts/r9k.rules.yml", *(MONITORING / "rules").glob("*.rules.yml")]
+               for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"]]
     assert len(loaded) == len(in_file) >= 17
     assert all(r["health"] == "ok" for r in loaded), [(r["name"], r.get("lastError")) for r in loaded]
 

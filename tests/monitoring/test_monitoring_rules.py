@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from r9k.monitoring.exporter import build_collector, build_registry, render
-from doubles.monitored_host import OPS_CONFIG, FakeFleet, FakeReplica, build_monitored_host
+from doubles.monitored_host import OPS_CONFIG, FakeFleet, TokenCountingReplica, build_monitored_host
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import prometheus_tool
 
@@ -110,23 +110,6 @@ def test_prometheus_scrape_config_is_valid():
         check = subprocess.run([amtool, "check-config", str(MONITORING / "alertmanager.yml")],
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
-
-
-class TokenCountingReplica(FakeReplica):
-    """FakeReplica plus vLLM's generated-token counter (what ReplicaHung watches)."""
-
-    generation_tokens = 12
-
-    def respond(self, path: str):
-        found = super().respond(path)
-        if path == "/metrics" and found is not None:
-            body, content_type = found
-            extra = ("# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
-                     "# TYPE vllm:generation_tokens_total counter\n"
-                     f'vllm:generation_tokens_total{{engine="0",model_name="{self.model_name}"}} '
-                     f"{float(self.generation_tokens)}\n")
-            return body + extra.encode(), content_type
-        return found
 
 
 @pytest.fixture(scope="module")
