@@ -91,6 +91,8 @@ class PowerReplica:
                 self.generated += 1
                 await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x'}]})}\n\n"
                                  .encode())
+        except ConnectionError:  # the client left (a load stopped mid-request)
+            return resp
         finally:
             self.active -= 1
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
