@@ -40,7 +40,7 @@ class PowerReplica:
     def _report_power(self) -> None:
         while not self._stop.wait(0.02):
             watts = self.cap_watts() if self.active else self.idle_watts
-            tmp = self.hwmon_dir / ".power1_average.tmp"
+            tmp = self.hwmon_dir / f".power1_average.{id(self)}.tmp"  # two doubles may share a card
             tmp.write_text(f"{int(watts * 1e6)}\n")
             tmp.replace(self.hwmon_dir / "power1_average")
 
