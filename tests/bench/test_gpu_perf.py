@@ -34,12 +34,15 @@ def _engine(mode, rep, c1, c16, run16, kv):
             "loads": {"c1": _load(1, c1, 1.0), "c16": _load(16, c16, run16, pre=3)}}
 
 
+META = {"sweep": [1, 16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
+                                      "onepage": {"tokens": 15701, "whole_requests": 7}},
+        "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
+        "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
+        "kv_cache_memory_bytes": 1 << 30}
+
+
 def test_summary_pairs_repeats_and_reports_spread(gp):
-    meta = {"sweep": [1, 16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
-                                          "onepage": {"tokens": 15701, "whole_requests": 7}},
-            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
-            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
-            "kv_cache_memory_bytes": 1 << 30}
+    meta = dict(META)
     engines = [_engine("stock", 0, 200, 600, 4.0, 8192), _engine("onepage", 0, 190, 900, 7.5, 15701),
                _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192),
                {"mode": "stock", "repeat": 2, "ok": False, "error": "boom"}]
@@ -107,11 +110,7 @@ def test_load_scenario_measures_what_the_engine_ran(tiny_model):
 
 
 def test_joules_per_token_per_load_and_the_paired_ratio(gp, tmp_path):
-    meta = {"sweep": [1, 16], "planner": {"stock": {"tokens": 8192, "whole_requests": 4},
-                                          "onepage": {"tokens": 15701, "whole_requests": 7}},
-            "model": "m", "model_sets": [], "k": 3, "prefix_caching": True,
-            "max_model_len": 2048, "prompt_tokens": 1536, "output_tokens": 256,
-            "kv_cache_memory_bytes": 1 << 30}
+    meta = dict(META)
     engines = [_engine("stock", 0, 200, 600, 4.0, 8192), _engine("onepage", 0, 190, 900, 7.5, 15701),
                _engine("onepage", 1, 210, 840, 7.0, 15701), _engine("stock", 1, 200, 560, 4.0, 8192)]
     for e in engines:   # 10 s loads at 300 W (c1) and 500 W (c16), whole GPU
