@@ -10,12 +10,8 @@ directory). Labels: ``replica`` and ``model``.
 """
 from __future__ import annotations
 
-import http.client
-import io
 import json
 import os
-import socket
-import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -29,7 +25,7 @@ from pydantic import ValidationError
 from r9k import capacity
 from r9k.config_errors import read_config_bytes, validation_message
 from r9k.fleet_status import FleetStatus, ReplicaDescription, ReplicaStatus  # the typed interface
-from r9k.http_client import HttpUnreachable
+from r9k.http_client import HttpDeadline, HttpUnreachable, http_get
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
@@ -90,16 +86,6 @@ def parse_replica_spec(spec: str) -> ReplicaDescription:
         raise ReplicaSpecError(validation_message(exc, f"--replica {spec!r}", limit=1)) from None
 
 
-class _Recorded:
-    """The bytes of a whole response, handed to http.client's parser as if they were a socket."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def makefile(self, *args: Any, **kwargs: Any) -> io.BytesIO:
-        return io.BytesIO(self.data)
-
-
 def _drop_out_of_range(metrics: VllmMetrics) -> bool:
     """Set to None what no replica can report (a usage ratio outside 0-1, a negative count);
     True when something was."""
@@ -115,51 +101,18 @@ def _drop_out_of_range(metrics: VllmMetrics) -> bool:
 
 def get_by(url: str, deadline: float, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """The body of a 200 answer to GET ``url``, read whole by ``deadline`` (time.monotonic()):
-    one deadline for connecting, sending and every byte of the answer. A socket timeout counts
-    per recv, so a replica that trickles its /metrics would hold the read, and its thread, for
-    as long as it trickles. HttpUnreachable (an OSError) for no answer, a late or oversized one,
-    or a status other than 200."""
-    parts = urlsplit(url)
-
-    def left() -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise HttpUnreachable(f"{url}: no complete answer by the deadline")
-        return remaining
-
+    the stack's HTTP client bounds connecting, sending and every byte by one deadline, so a
+    replica that trickles its /metrics cannot hold the read or its thread. HttpUnreachable (an
+    OSError) for no answer, a late or oversized one, or a status other than 200."""
+    left = deadline - time.monotonic()
     try:
-        host, https = parts.hostname, parts.scheme == "https"
-        port = parts.port or (443 if https else 80)
-        if not host:
-            raise ValueError("no host")
-        conn = socket.create_connection((host, port), timeout=left())
-        with conn:
-            sock = ssl.create_default_context().wrap_socket(conn, server_hostname=host) if https else conn
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            sock.settimeout(left())
-            sock.sendall(f"GET {target} HTTP/1.0\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
-                         "Accept: */*\r\nConnection: close\r\n\r\n".encode("ascii"))
-            chunks, size = [], 0
-            while True:
-                sock.settimeout(left())
-                chunk = sock.recv(1 << 16)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > max_bytes + (1 << 16):  # headers fit in the allowance
-                    raise HttpUnreachable(f"{url}: answer over {max_bytes} bytes")
-                chunks.append(chunk)
-        response = http.client.HTTPResponse(_Recorded(b"".join(chunks)))  # type: ignore[arg-type]
-        response.begin()
-        body = response.read()
-    except HttpUnreachable:
-        raise
-    except TimeoutError:
+        if left <= 0:
+            raise HttpDeadline(url)
+        body = http_get(url, timeout_s=left, max_bytes=max_bytes + 1)
+    except HttpDeadline:
         raise HttpUnreachable(f"{url}: no complete answer by the deadline") from None
-    except (OSError, ValueError, UnicodeError, http.client.HTTPException) as exc:
-        raise HttpUnreachable(f"{url}: no answer ({exc or type(exc).__name__})") from None
-    if response.status != 200:
-        raise HttpUnreachable(f"{url}: HTTP {response.status}: {body[:200].decode('utf-8', 'replace')}")
+    if len(body) > max_bytes:
+        raise HttpUnreachable(f"{url}: answer over {max_bytes} bytes")
     return body
 
 

@@ -21,6 +21,10 @@ class HttpUnreachable(OSError):
     """No HTTP answer: refused, timed out, reset, bad host. The message names the URL."""
 
 
+class HttpDeadline(HttpUnreachable):
+    """No complete answer within the request's time."""
+
+
 @dataclass
 class HttpResponse:
     status: int
@@ -34,9 +38,11 @@ class HttpResponse:
         return json.loads(self.body)
 
 
-def _cut(conn: http.client.HTTPConnection) -> None:
-    """The deadline passed: shut the socket, which ends any recv or send blocked on it."""
-    sock = conn.sock
+def _cut(conn: http.client.HTTPConnection, held: list) -> None:
+    """The deadline passed: shut the socket, which ends any recv or send blocked on it (the one
+    connected, kept aside: http.client hands it to the response and forgets it when the answer
+    ends with the connection)."""
+    sock = held[0] if held else conn.sock
     if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)
@@ -68,10 +74,13 @@ def http_request(url: str, *, method: str = "GET", json_body: Any = None,
     conn = cls(parts.hostname, port, timeout=timeout_s)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     deadline = time.monotonic() + timeout_s
-    timer = threading.Timer(timeout_s, _cut, args=(conn,))
+    held: list = []
+    timer = threading.Timer(timeout_s, _cut, args=(conn, held))
     timer.daemon = True
     timer.start()
     try:
+        conn.connect()
+        held.append(conn.sock)
         conn.request(method, target, body=data, headers=hdrs)
         resp = conn.getresponse()
         chunks, size = [], 0
@@ -86,7 +95,7 @@ def http_request(url: str, *, method: str = "GET", json_body: Any = None,
         return HttpResponse(resp.status, b"".join(chunks))
     except (OSError, http.client.HTTPException, ValueError) as exc:
         if time.monotonic() >= deadline or isinstance(exc, TimeoutError):
-            raise HttpUnreachable(f"{url}: no complete answer within {timeout_s:g} s") from None
+            raise HttpDeadline(f"{url}: no complete answer within {timeout_s:g} s") from None
         raise HttpUnreachable(f"{url}: no answer ({exc or type(exc).__name__})") from None
     finally:
         timer.cancel()

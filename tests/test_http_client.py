@@ -52,6 +52,14 @@ def _trickle_body(conn, stop):
         conn.sendall(b"x")
 
 
+def _trickle_close_delimited_body(conn, stop):
+    """HTTP/1.0, no length: the body ends when the connection does (http.client lets go of the
+    socket here, which the deadline must still reach)."""
+    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+    while not stop.wait(0.05):
+        conn.sendall(b"#")
+
+
 def _trickle_headers(conn, stop):
     for ch in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 10000:
         if stop.wait(0.05):
@@ -59,7 +67,7 @@ def _trickle_headers(conn, stop):
         conn.sendall(bytes([ch]))
 
 
-@pytest.mark.parametrize("script", [_trickle_body, _trickle_headers])
+@pytest.mark.parametrize("script", [_trickle_body, _trickle_close_delimited_body, _trickle_headers])
 def test_a_trickling_server_cannot_hold_a_caller_past_the_deadline(script):
     server = RawServer(script)
     threads = threading.active_count()
