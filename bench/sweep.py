@@ -191,10 +191,12 @@ def _commit() -> str | None:
 
 
 def _tokens_total(base: str) -> float | None:
+    from r9k.bench.compare import read_metrics_text
+
+    text = read_metrics_text(base)
     try:
-        text = http_get(base + "/metrics", timeout_s=5).decode("utf-8", "replace")
-        return parse_vllm_metrics(text).generation_tokens
-    except (HttpUnreachable, ValueError):
+        return parse_vllm_metrics(text).generation_tokens if text is not None else None
+    except ValueError:
         return None
 
 
@@ -284,7 +286,7 @@ def run_sweep(*, config: OpsConfig, host_root: str, bdf: str, caps: list[int], b
             finally:
                 load.cancel()
                 await asyncio.gather(load, return_exceptions=True)
-        window = results[n0:n0 + (len(results) - n0)]
+        window = results[n0:]
         step.requests_ok = sum(1 for r in window if r.status == "ok")
         step.requests_failed = sum(1 for r in window if r.status != "ok")
         if tokens0 is not None and tokens1 is not None:

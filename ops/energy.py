@@ -13,6 +13,7 @@ carries), so recording rules can join cards to replicas.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import threading
@@ -72,10 +73,9 @@ class CardEnergy:
 
 
 def _read_microunits(path: Path) -> float:
-    text = path.read_text().strip()
-    value = int(text, 10)
-    if value < 0:
-        raise ValueError(f"{path.name}: negative reading {value}")
+    value = sysfs._read_int(path)  # ops' one reader of a sysfs number (EPERM, EBUSY: NotReady)
+    if value is None or value < 0:
+        raise ValueError(f"{path.name}: missing, not a number or negative ({value})")
     return value / _MICRO
 
 
@@ -140,7 +140,7 @@ class EnergyMeter:
                 continue
             try:
                 value = _read_microunits(card.hwmon_dir / card.source)
-            except (OSError, ValueError):
+            except (OSError, ValueError, sysfs.NotReady):
                 with self._lock:
                     card.lost()
                 self._rediscover = True   # a vanished hwmon (reset) is found again next sample
@@ -176,10 +176,7 @@ class EnergyMeter:
 
     def snapshot(self) -> list[CardEnergy]:
         with self._lock:
-            return [CardEnergy(**{k: getattr(c, k) for k in ("bdf", "hwmon_dir", "source", "joules",
-                                                           "samples", "gap_seconds", "read_errors",
-                                                           "watts")})
-                    for c in sorted(self.cards.values(), key=lambda c: c.bdf)]
+            return [dataclasses.replace(c) for c in sorted(self.cards.values(), key=lambda c: c.bdf)]
 
     def samples_in(self, bdfs: list[str] | None = None) -> int:
         return min((c.samples for c in self.snapshot() if bdfs is None or c.bdf in bdfs), default=0)
