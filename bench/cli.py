@@ -565,7 +565,6 @@ def ops_sweep(bdf, replica_url, model, caps, concurrency, hold_s, warmup_s, prom
     from r9k.bench import sweep
     from r9k.ops.config import ConfigError, load_config
     from r9k.ops.state import BDF_RE
-    from r9k.ops.sysfs import discover_cards
 
     if not BDF_RE.match(bdf):
         raise BadInput(f"--card {bdf!r}: expected a full PCI address like 0000:03:00.0")
@@ -582,10 +581,7 @@ def ops_sweep(bdf, replica_url, model, caps, concurrency, hold_s, warmup_s, prom
     url = fleet_url or sweep.default_fleet_url()[0]
     progress = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
     try:
-        card = next((c for c in discover_cards(host_root, enrich=False) if c.bdf == bdf), None)
-        if card is None:
-            raise sweep.SweepRefused(f"--card {bdf}: no amdgpu card there on this host")
-        sweep.check_caps(card, cap_list)
+        sweep.sweep_card(host_root, bdf, cap_list)   # refused before the fleet is asked to drain
         note = sweep.check_fleet(url, explicit, host, bdf, base, drain,
                                  os.environ.get("R9K_FLEET_API_KEY"))
         result = sweep.run_sweep(config=config, host_root=host_root, bdf=bdf, caps=cap_list,

@@ -109,6 +109,15 @@ def parse_caps(text: str) -> list[int]:
     return caps
 
 
+def sweep_card(host_root: str, bdf: str, caps: list[int]) -> sysfs.Card:
+    """The card to sweep, with every step inside its declared range; SweepRefused otherwise."""
+    card = next((c for c in sysfs.discover_cards(host_root, enrich=False) if c.bdf == bdf), None)
+    if card is None or card.hwmon_dir is None:
+        raise SweepRefused(f"--card {bdf}: not an amdgpu card with hwmon on this host")
+    check_caps(card, caps)
+    return card
+
+
 def check_caps(card: sysfs.Card, caps: list[int]) -> None:
     """Every step inside the card's declared range, or SweepRefused naming the first that is not."""
     lo, hi = card.cap_min_watts, card.cap_max_watts
@@ -224,10 +233,7 @@ def run_sweep(*, config: OpsConfig, host_root: str, bdf: str, caps: list[int], b
     from r9k.bench.client import drive, new_session
     from r9k.bench.soak import prompt_of_length
 
-    card = next((c for c in sysfs.discover_cards(host_root, enrich=False) if c.bdf == bdf), None)
-    if card is None or card.hwmon_dir is None:
-        raise SweepRefused(f"--card {bdf}: not an amdgpu card with hwmon on this host")
-    check_caps(card, caps)
+    card = sweep_card(host_root, bdf, caps)
     wanted = config.wanted(bdf)
     restore_cap = wanted.power_cap_watts
     if restore_cap is None:   # no configured cap: the one the card had before

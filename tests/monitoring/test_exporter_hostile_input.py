@@ -261,7 +261,7 @@ class _TricklingReplica:
                         self.wfile.write(b"#")
                         self.wfile.flush()
                 except OSError:
-                    pass  # the reader went away
+                    return  # the reader went away: this answer is over
 
             def log_message(self, *args) -> None:
                 pass
