@@ -210,16 +210,52 @@ def _tokens_total(base: str) -> float | None:
 
 
 class _Signals:
-    """SIGTERM, SIGINT and SIGHUP raise SweepInterrupted in the main thread while the sweep runs
-    (so the `finally` that restores the cap always runs); the previous handlers come back after."""
+    """SIGTERM, SIGINT and SIGHUP stop the sweep so that the `finally` restoring the cap always runs;
+    the previous handlers come back after.
+
+    Outside the event loop the handler raises SweepInterrupted. While a hold runs it must not: an
+    exception raised from a handler lands in whatever callback the loop is running, and asyncio
+    catches and logs those (a transport's read callback logs "Fatal read error" and goes on), so the
+    signal would be lost. There it cancels the hold's task instead, and `interrupted()` says why."""
 
     def __enter__(self) -> "_Signals":
-        def raise_(signum, _frame):
+        self.received: int | None = None
+        self.task: asyncio.Task | None = None     # the hold running now, if any
+
+        def on_signal(signum, _frame):
+            self.received = signum
+            task = self.task
+            if task is not None and not task.done():
+                try:
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+                    return
+                except RuntimeError:   # the loop closed under us: raise as outside it
+                    pass
             raise SweepInterrupted(signum)
-        self.previous = {s: signal.signal(s, raise_) for s in SIGNALS}
+        self.previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
         return self
 
+    def run(self, coro) -> None:
+        """asyncio.run(coro), with a signal during it raised as SweepInterrupted once it has ended."""
+        async def tracked():
+            self.task = asyncio.current_task()
+            try:
+                if self.received is not None:   # a signal came while the loop was starting
+                    coro.close()
+                    return None
+                return await coro
+            finally:
+                self.task = None
+        try:
+            asyncio.run(tracked())
+        except asyncio.CancelledError:
+            if self.received is None:
+                raise
+        if self.received is not None:
+            raise SweepInterrupted(self.received)
+
     def __exit__(self, *exc) -> None:
+        self.task = None
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
@@ -307,14 +343,14 @@ def run_sweep(*, config: OpsConfig, host_root: str, bdf: str, caps: list[int], b
             step.joules_per_token = step.joules / step.output_tokens if step.output_tokens > 0 else None
 
     try:
-        with _Signals():
+        with _Signals() as signals:
             try:
                 for cap in caps:
                     step = SweepStep(cap_watts=cap)
                     step.cap_read_watts = set_cap(cap)
                     progress(f"cap {cap} W set (reads {step.cap_read_watts} W): holding "
                              f"{warmup_s:g} + {hold_s:g} s at concurrency {concurrency}")
-                    asyncio.run(hold(step))
+                    signals.run(hold(step))
                     if step.requests_ok == 0 and step.output_tokens <= 0:
                         raise RuntimeError(f"no tokens at cap {cap} W "
                                            f"({step.requests_failed} requests failed)")

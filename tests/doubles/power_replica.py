@@ -28,6 +28,7 @@ class PowerReplica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.generated = 0
         self.active = 0
+        self._last_cap_watts = self.idle_watts
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -35,7 +36,12 @@ class PowerReplica:
         self._power = threading.Thread(target=self._report_power, daemon=True)
 
     def cap_watts(self) -> float:
-        return int((self.hwmon_dir / "power1_cap").read_text()) / 1e6
+        # the sweep's write (truncate, then write) can be read half-way here; real sysfs cannot,
+        # so a torn read keeps the last cap seen
+        text = (self.hwmon_dir / "power1_cap").read_text().strip()
+        if text.isdigit():
+            self._last_cap_watts = int(text) / 1e6
+        return self._last_cap_watts
 
     def _report_power(self) -> None:
         while not self._stop.wait(0.02):
