@@ -104,15 +104,16 @@ def _prefix_cache_counts(llm) -> dict[str, int]:
     return {key: _counter(llm, f"vllm:prefix_cache_{key}") for key in ("queries", "hits")}
 
 
-def _run_batch(llm, sc) -> list[list[int]]:
+def _run_batch(llm, sc) -> tuple[list[list[int]], list[str], list[int]]:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
     outs = llm.generate(sc["prompts"], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return ([list(o.outputs[0].token_ids) for o in outs], [o.request_id for o in outs],
+            [len(o.prompt_token_ids) for o in outs])
 
 
-def _run_chat(llm, sc) -> list[list[int]]:
+def _run_chat(llm, sc) -> tuple[list[list[int]], list[str], list[int]]:
     """Multi-turn conversations re-sent with their history: turn t of every conversation runs
     in one batch; its prompt is the previous turn's prompt and answer (token ids) plus the new
     user text. Returns the answers, conversation by conversation, turn by turn."""
@@ -124,6 +125,8 @@ def _run_chat(llm, sc) -> list[list[int]]:
     convs = sc["conversations"]
     history: list[list[int]] = [[] for _ in convs]
     answers: list[list[list[int]]] = [[] for _ in convs]
+    rids: list[list[str]] = [[] for _ in convs]
+    lens: list[list[int]] = [[] for _ in convs]
     for t in range(max(len(c) for c in convs)):
         live = [i for i, c in enumerate(convs) if t < len(c)]
         prompts = [history[i] + tok.encode(convs[i][t], add_special_tokens=False) for i in live]
@@ -133,7 +136,10 @@ def _run_chat(llm, sc) -> list[list[int]]:
             ids = list(o.outputs[0].token_ids)
             history[i] = p + ids
             answers[i].append(ids)
-    return [a for conv in answers for a in conv]
+            rids[i].append(o.request_id)
+            lens[i].append(len(p))
+    return ([a for conv in answers for a in conv], [r for conv in rids for r in conv],
+            [n for conv in lens for n in conv])
 
 
 def _counter(llm, name: str) -> int:
@@ -141,28 +147,94 @@ def _counter(llm, name: str) -> int:
     return int(m[name].value) if name in m else 0
 
 
-def _run_join(llm, sc) -> list[list[int]]:
+def _run_join(llm, sc) -> tuple[list[list[int]], list[str], list[int]]:
     """Waves of requests: each wave joins after `steps_between` engine steps of the last."""
     from vllm import SamplingParams
 
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)
     done: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
     order: list[str] = []
+
+    def finish(outs) -> None:
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+                lens[out.request_id] = len(out.prompt_token_ids)
     for w, wave in enumerate(sc["waves"]):
         for i, prompt in enumerate(wave):
             rid = f"w{w}r{i}"
             order.append(rid)
             eng.add_request(rid, prompt, sp)
         for _ in range(sc.get("steps_between", 3)):
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
+            finish(eng.step())
     while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[r] for r in order]
+        finish(eng.step())
+    return [done[r] for r in order], order, [lens[r] for r in order]
+
+
+class ScheduleRecorder:
+    """Every step's scheduled batch, kept per scenario, so that when two engines' ids differ one
+    can tell a different schedule (arrival timing, pool size) from different numbers.
+
+    A step is a list of rows `[request, computed, scheduled, drafts]`: the request as its index in
+    the scenario's results (ids are the engine's own and carry a random suffix), the tokens it
+    had computed, the tokens scheduled now, and how many of those are drafts; requests preempted
+    in the step follow as `["preempted", index, ...]`. Block ids are left out: stock and one-page
+    pools differ by design."""
+
+    def __init__(self, scheduler) -> None:
+        self.steps: list[list[list]] = []
+        inner = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.steps.append(self._rows(out))
+            return out
+        scheduler.schedule = schedule   # the engine's own instance only, in this process
+
+    @staticmethod
+    def _rows(out) -> list[list]:
+        drafts = out.scheduled_spec_decode_tokens
+        rows = [[r.req_id, r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0),
+                 len(drafts.get(r.req_id, ()))] for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        rows += [[rid, computed, out.num_scheduled_tokens.get(rid, 0), len(drafts.get(rid, ()))]
+                 for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)]
+        if out.preempted_req_ids:
+            rows.append(["preempted", *sorted(out.preempted_req_ids)])
+        return rows
+
+    def take(self, request_ids: list[str]) -> list[list[list]]:
+        """The steps since the last take, requests named by their index in `request_ids` (the
+        scenario's result order; the engine's internal id is the external one plus a suffix)."""
+        index = {rid: i for i, rid in enumerate(request_ids)}
+
+        def name(internal: str):
+            return index.get(internal, index.get(internal.rsplit("-", 1)[0], internal))
+        steps = [[[row[0], *map(name, row[1:])] if row[0] == "preempted" else [name(row[0]), *row[1:]]
+                  for row in step] for step in self.steps]
+        self.steps = []
+        return steps
+
+
+def schedule_digest(step: list[list]) -> str:
+    """A short digest of one recorded step (equal steps, equal digests)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(step, separators=(",", ":")).encode()).hexdigest()[:12]
+
+
+def first_token_step(steps: list[list[list]], request: int, prompt_tokens: int, token: int) -> int | None:
+    """The step that sampled output token `token` (0-based) of `request`: the first step whose
+    scheduled positions reach the position before it (prompt_tokens + token - 1)."""
+    position = prompt_tokens + token - 1
+    for i, step in enumerate(steps):
+        for row in step:
+            if row[0] == request and row[1] <= position < row[1] + row[2]:
+                return i
+    return None
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -384,7 +456,8 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
-    results, timings, loads, profiles = {}, {}, {}, {}
+    recorder = ScheduleRecorder(llm.llm_engine.engine_core.engine_core.scheduler)
+    results, timings, loads, profiles, schedules = {}, {}, {}, {}, {}
     for sc in spec.scenarios:
         t = time.monotonic()
         if sc["kind"] == "load":
@@ -396,7 +469,9 @@ def _engine_main(spec_path: str, out_path: str) -> None:
                 profiles[sc["name"]] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
         else:
             runner = {"join": _run_join, "chat": _run_chat, "batch": _run_batch}[sc["kind"]]
-            results[sc["name"]] = runner(llm, sc)
+            recorder.take([])   # what ran before (a load, a profile) is not this scenario's
+            results[sc["name"]], rids, prompt_lens = runner(llm, sc)
+            schedules[sc["name"]] = {"prompt_tokens": prompt_lens, "steps": recorder.take(rids)}
         timings[sc["name"]] = time.monotonic() - t
     from r9k.policy import page_mode
 
@@ -404,7 +479,7 @@ def _engine_main(spec_path: str, out_path: str) -> None:
         "plugin": page_mode(llm.llm_engine.vllm_config).labels(),
         "engine": _engine_facts(llm.llm_engine.vllm_config),
         "tokens": results, "scenario_s": timings, "engine_start_s": start_s, "loads": loads,
-        "profiles": profiles,
+        "profiles": profiles, "schedules": schedules,
         "acceptance_hist": _acceptance_hist(llm, spec.num_spec),
         "prefix_cache": _prefix_cache_counts(llm),
         "num_preemptions": _counter(llm, "vllm:num_preemptions"),

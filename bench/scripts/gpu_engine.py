@@ -358,6 +358,40 @@ def token_diffs(want: dict[str, list], got: dict[str, list]) -> tuple[int, int, 
     return n_req, n_tok, diffs
 
 
+def deviation_schedules(want: dict[str, Any], got: dict[str, Any], diffs: list[str]
+                        ) -> list[dict[str, Any]]:
+    """For each deviation between two engines (`token_diffs`' "scenario[request]@token"), whether
+    they scheduled the same batches up to the step that sampled the differing token: the same
+    schedule means the numbers differed (a kernel or the plugin); a different one means the
+    engines were not given the same work (arrival, pool, preemption) and the ids say nothing
+    about either's arithmetic. With each engine's steps from r9k.devtools.engine_runs."""
+    import re
+
+    from r9k.devtools.engine_runs import first_token_step, schedule_digest
+
+    out = []
+    for d in diffs:
+        m = re.fullmatch(r"(.+)\[(\d+)\]@(\d+)", d)
+        sa = want.get("schedules", {}).get(m.group(1)) if m else None
+        sb = got.get("schedules", {}).get(m.group(1)) if m else None
+        if not (sa and sb):
+            out.append({"deviation": d, "schedule": "not recorded"})
+            continue
+        req, tok = int(m.group(2)), int(m.group(3))
+        a, b = sa["steps"], sb["steps"]
+        step = first_token_step(a, req, sa["prompt_tokens"][req], tok) if req < len(sa["prompt_tokens"]) else None
+        upto = len(a) if step is None else step + 1
+        first = next((i for i in range(upto) if i >= len(b) or a[i] != b[i]), None)
+        entry: dict[str, Any] = {"deviation": d, "token_step": step,
+                                 "schedule": "same" if first is None else "differs",
+                                 "digests_to_token": [schedule_digest(x) for x in a[max(0, upto - 3):upto]]}
+        if first is not None:
+            entry.update(first_differing_step=first, want_step=a[first],
+                         got_step=b[first] if first < len(b) else None)
+        out.append(entry)
+    return out
+
+
 def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One cell's verdict from its engines' results (stock, onepage and, with prefix caching,
     stock at one-page's block size)."""
@@ -381,6 +415,13 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # each copy against its first engine: requests that differ (0 everywhere: deterministic)
     copies_diffs = {m: token_diffs(runs[base_mode(m)]["tokens"], r["tokens"])[2]
                     for m, r in sorted(runs.items()) if COPY in m}
+    # whether each deviation came with the same schedule (numbers) or another one (work given)
+    schedules = {"onepage": deviation_schedules(ref, onepage, diffs)}
+    if again_diffs:
+        schedules[AGAIN] = deviation_schedules(ref, again, again_diffs)
+    for m, d in copies_diffs.items():
+        if d:
+            schedules[m] = deviation_schedules(runs[base_mode(m)], runs[m], d)
     kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
           (("stock", stock), ("onepage", onepage))}
     both = (("stock", ref), ("onepage", onepage))
@@ -390,6 +431,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         default_stock_diffs=default_diffs[:12],
         stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
         again_diffs=again_diffs, copies_diffs=copies_diffs,
+        deviation_schedules={m: v for m, v in schedules.items() if v},
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
         prefix_hits={m: r["prefix_cache"]["hits"] for m, r in both},
@@ -503,6 +545,21 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    f"{'yes' if r['ok'] else 'NO'} |")
     ok = sum(r["ok"] for r in rows)
     out += ["", f"{ok} of {len(rows)} cells ok."]
+    devs = [(r["cell"], m, e) for r in rows for m, es in (r.get("deviation_schedules") or {}).items()
+            for e in es]
+    if devs:
+        out += ["", "## Deviations and their schedules", "",
+                "Each deviation's engines compared step by step up to the step that sampled the "
+                "differing token: 'same' (the numbers differed) or where the batches first "
+                "differ (the engines were given different work).", "",
+                "| cell | engine | deviation | schedule | step of the token | first differing step |",
+                "|---|---|---|---|---|---|"]
+        for cell, m, e in devs:
+            first = e.get("first_differing_step")
+            where = "" if first is None else (f"{first}: {json.dumps(e.get('want_step'))} vs "
+                                              f"{json.dumps(e.get('got_step'))}")[:300]
+            out.append(f"| {cell} | {m} | {e['deviation']} | {e['schedule']} | "
+                       f"{e.get('token_step')} | {where} |")
     return "\n".join(out) + "\n"
 
 

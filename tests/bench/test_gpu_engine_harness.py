@@ -442,3 +442,41 @@ def test_a_copy_runs_as_its_mode(ge, tmp_path, monkeypatch):
     assert blocks["onepage~1"] is None and blocks["stock~1"] is None
     assert out["onepage~1"]["planner_tokens"] == out["onepage"]["planner_tokens"]
     assert out["stock-blk~2"]["planner_tokens"] is None
+
+
+def test_a_deviation_says_whether_the_engines_scheduled_the_same_batches(ge):
+    """Schedules equal up to the step that sampled the differing token: the numbers differed;
+    a batch that differs before it: the engines were given different work."""
+    # request 0 (prompt 5) and 1 (prompt 3): prefill, then decode steps with 2 drafts
+    steps = [[[0, 0, 5, 0], [1, 0, 3, 0]], [[0, 5, 3, 2], [1, 3, 3, 2]],
+             [[0, 7, 3, 2], [1, 5, 3, 2]], [[0, 8, 3, 2], [1, 8, 3, 2]]]
+    sched = {"prompt_tokens": [5, 3], "steps": steps}
+    runs = _cell()
+    for r in runs.values():
+        r["schedules"] = {"batch": copy.deepcopy(sched)}
+    runs["onepage"]["tokens"] = copy.deepcopy(runs["onepage"]["tokens"])
+    runs["onepage"]["tokens"]["batch"][1][2] = 9
+    row = ge.compare_cell(runs)
+    (dev,) = row["deviation_schedules"]["onepage"]
+    # request 1's token 2 sits at position 3 + 2 = 5: sampled by the step scheduling 3..5
+    assert dev["deviation"] == "batch[1]@2" and dev["token_step"] == 1
+    assert dev["schedule"] == "same" and len(dev["digests_to_token"]) == 2
+    from r9k.devtools.engine_runs import first_token_step
+    # token 0 comes from the prefill; token 1 from the step that starts at the prompt's end
+    assert [first_token_step(steps, 0, 5, t) for t in (0, 1, 3, 4, 9)] == [0, 1, 1, 2, None]
+    # a different batch at step 1 (request 0 accepted one draft fewer) comes before the token
+    runs["onepage"]["schedules"]["batch"]["steps"][1][0] = [0, 5, 2, 1]
+    (dev,) = ge.compare_cell(runs)["deviation_schedules"]["onepage"]
+    assert dev["schedule"] == "differs" and dev["first_differing_step"] == 1
+    assert dev["got_step"] == [[0, 5, 2, 1], [1, 3, 3, 2]]
+    md = ge.markdown([ge.compare_cell(runs)], {"command": "x"})
+    assert "| batch[1]@2 | differs | 1 | 1:" in md
+    # a difference only after the token's step is a consequence, not a cause
+    runs["onepage"]["schedules"]["batch"]["steps"][1][0] = [0, 5, 3, 2]
+    runs["onepage"]["schedules"]["batch"]["steps"][3][0] = [0, 8, 2, 1]
+    (dev,) = ge.compare_cell(runs)["deviation_schedules"]["onepage"]
+    assert dev["schedule"] == "same"
+    # engines from before schedules were recorded
+    for r in runs.values():
+        r.pop("schedules")
+    assert ge.compare_cell(runs)["deviation_schedules"]["onepage"][0]["schedule"] == "not recorded"

@@ -64,6 +64,36 @@ def test_onepage_token_identical_to_stock(tiny, k):
 
 
 @pytest.mark.parametrize("k", [3, 7])
+def test_each_step_schedule_is_recorded_and_equal_in_both_engines(tiny, k):
+    """Same ids, same schedule; the record is the one the GPU copies' deviations are read with."""
+    from r9k.devtools.engine_runs import first_token_step, schedule_digest
+
+    stock, onepage = engine(tiny, k, "stock"), engine(tiny, k, "onepage")
+    for name in ("batch", "copies", "alone", "join"):
+        s, o = stock["schedules"][name], onepage["schedules"][name]
+        assert s == o, name
+        steps, n = s["steps"], len(stock["tokens"][name])
+        assert len(s["prompt_tokens"]) == n and all(p > 0 for p in s["prompt_tokens"])
+        # every request is named by its index in the results, and is scheduled
+        assert {row[0] for step in steps for row in step} == set(range(n)), name
+        # each request's prompt is scheduled once from 0 (no prefix caching, no preemption here),
+        # and its last token is sampled by a step that reaches the end of its prompt + output
+        for r in range(n):
+            first = next(row for step in steps for row in step if row[0] == r)
+            assert first[1] == 0
+            last = first_token_step(steps, r, s["prompt_tokens"][r], len(stock["tokens"][name][r]) - 1)
+            assert last is not None and all(row[1] <= s["prompt_tokens"][r] + 24
+                                            for row in steps[last] if row[0] == r)
+    batch = stock["schedules"]["batch"]["steps"]
+    # drafts were scheduled, and steps advanced by different amounts (acceptance varied)
+    assert any(row[3] == k for step in batch for row in step)
+    advances = {b[1] - a[1] for x, y in zip(batch, batch[1:]) for a in x for b in y
+                if a[0] == b[0] and a[3] == k and b[3] == k}
+    assert len(advances) > 2, advances
+    assert len({schedule_digest(step) for step in batch}) == len(batch)
+
+
+@pytest.mark.parametrize("k", [3, 7])
 def test_acceptance_varies(tiny, k):
     """Zero, partial and full acceptance all occurred, or the run proved nothing about replay."""
     hist = engine(tiny, k, "onepage")["acceptance_hist"]
