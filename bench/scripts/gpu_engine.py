@@ -141,15 +141,22 @@ AUTOTUNE_ENV = {"first": {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}, "vllm": {},
 COPY = "~"
 
 
-def modes(cell: Cell, repeat: bool = False, copies: int = 1) -> tuple[str, ...]:
-    return cell_modes(cell.prefix_caching, repeat, copies)
+MAX_COPIES = 32
 
 
-def cell_modes(prefix_caching: bool, repeat: bool = False, copies: int = 1) -> tuple[str, ...]:
-    """The engines a cell runs (and its verdict wants)."""
+def modes(cell: Cell, repeat: bool = False, copies: int = 1,
+          copy_modes: frozenset[str] | None = None) -> tuple[str, ...]:
+    return cell_modes(cell.prefix_caching, repeat, copies, copy_modes)
+
+
+def cell_modes(prefix_caching: bool, repeat: bool = False, copies: int = 1,
+               copy_modes: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The engines a cell runs (and its verdict wants); copies of every mode, or of
+    `copy_modes` only (many one-page copies against one stock engine)."""
     ms = ("stock", "onepage", CONTROL) if prefix_caching else ("stock", "onepage")
     ms = ms + (AGAIN,) if repeat else ms
-    return ms + tuple(f"{m}{COPY}{i}" for i in range(1, copies) for m in ms if m != AGAIN)
+    return ms + tuple(f"{m}{COPY}{i}" for i in range(1, copies) for m in ms
+                      if m != AGAIN and (copy_modes is None or m in copy_modes))
 
 
 def base_mode(mode: str) -> str:
@@ -372,8 +379,8 @@ def deviation_schedules(want: dict[str, Any], got: dict[str, Any], diffs: list[s
     out = []
     for d in diffs:
         m = re.fullmatch(r"(.+)\[(\d+)\]@(\d+)", d)
-        sa = want.get("schedules", {}).get(m.group(1)) if m else None
-        sb = got.get("schedules", {}).get(m.group(1)) if m else None
+        sa = (want.get("schedules") or {}).get(m.group(1)) if m else None
+        sb = (got.get("schedules") or {}).get(m.group(1)) if m else None
         if not (sa and sb):
             out.append({"deviation": d, "schedule": "not recorded"})
             continue
@@ -415,6 +422,18 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # each copy against its first engine: requests that differ (0 everywhere: deterministic)
     copies_diffs = {m: token_diffs(runs[base_mode(m)]["tokens"], r["tokens"])[2]
                     for m, r in sorted(runs.items()) if COPY in m}
+    # engines of each mode (first and copies) whose ids differ from the ids they must equal:
+    # one-page's and the control's from the control (or stock without prefix caching),
+    # default stock's (another block size) from the first default stock engine
+    deviations: dict[str, dict[str, int]] = {}
+    for m, r in runs.items():
+        base = base_mode(m)
+        if base == AGAIN:
+            continue
+        want = runs["stock"] if base == "stock" and ref_mode == CONTROL else ref
+        d = deviations.setdefault(base, {"engines": 0, "differ": 0})
+        d["engines"] += 1
+        d["differ"] += bool(r is not want and token_diffs(want["tokens"], r["tokens"])[2])
     # whether each deviation came with the same schedule (numbers) or another one (work given)
     schedules = {"onepage": deviation_schedules(ref, onepage, diffs)}
     if again_diffs:
@@ -431,6 +450,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         default_stock_diffs=default_diffs[:12],
         stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
         again_diffs=again_diffs, copies_diffs=copies_diffs,
+        deviations=deviations,
         deviation_schedules={m: v for m, v in schedules.items() if v},
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
@@ -467,18 +487,46 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def summarize(runs: list[dict[str, Any]], copies: int = 1, repeat: bool = False
-              ) -> list[dict[str, Any]]:
+SCHEDULES_FILE = "gpu_engine_schedules.jsonl"
+
+
+def load_results(path: pathlib.Path) -> dict[str, Any]:
+    """A run's results JSON with each engine's step schedules put back from the file beside it
+    (SCHEDULES_FILE, also read as .xz), where they were kept."""
+    import lzma
+
+    data = json.loads(path.read_text())
+    for name, opener in ((SCHEDULES_FILE, open), (SCHEDULES_FILE + ".xz", lzma.open)):
+        side = path.parent / name
+        if side.exists():
+            with opener(side, "rt") as f:
+                sched = {(e["cell"], e["mode"]): e["schedules"] for e in map(json.loads, f)}
+            for r in data["runs"]:
+                r.setdefault("schedules", sched.get((r["cell"], r["mode"])))
+            break
+    return data
+
+
+def summarize(runs: list[dict[str, Any]], copies: int = 1, repeat: bool = False,
+              copy_modes: frozenset[str] | None = None) -> list[dict[str, Any]]:
     """A verdict per cell; a cell missing an engine the run asked for (a copy or the rerun cut
-    by the budget) fails."""
+    by the budget) fails: without a first engine of each mode it has no figures, with them the
+    copies that ran are still compared and counted."""
     by_cell: dict[str, dict[str, dict]] = {}
     for r in runs:
         by_cell.setdefault(r["cell"], {})[r["mode"]] = r
     rows = []
     for cell, got in by_cell.items():
-        want = set(cell_modes("-pcon-" in cell, repeat, copies))
-        if want <= set(got):
+        want = set(cell_modes("-pcon-" in cell, repeat, copies, copy_modes))
+        missing = sorted(want - set(got))
+        firsts = set(cell_modes("-pcon-" in cell))
+        if not missing:
             rows.append(compare_cell(got))
+        elif firsts <= set(got) and all(got[m].get("ok") for m in firsts):
+            row = compare_cell(got)
+            row.update(ok=False, missing=missing,
+                       error=f"{len(missing)} engines did not run ({', '.join(missing[:6])})")
+            rows.append(row)
         else:
             rows.append({"cell": cell, "ok": False,
                          "error": f"only {sorted(got)} ran of {sorted(want)}"})
@@ -545,6 +593,21 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    f"{'yes' if r['ok'] else 'NO'} |")
     ok = sum(r["ok"] for r in rows)
     out += ["", f"{ok} of {len(rows)} cells ok."]
+    counted = [r for r in rows if r.get("deviations")]
+    if counted:
+        out += ["", "## Engines whose ids differ, per mode", "",
+                "Against the ids each must equal: one-page and the control against the control "
+                f"(`{CONTROL}` with prefix caching, else stock), default stock against its first "
+                "engine.", "", "| cell | " + " | ".join(("stock", "onepage", CONTROL)) + " |",
+                "|---|---|---|---|"]
+        for r in counted:
+            d = r["deviations"]
+            out.append(f"| {r['cell']} | " + " | ".join(
+                f"{d[m]['differ']} of {d[m]['engines']}" if m in d else "" for m in
+                ("stock", "onepage", CONTROL)) + " |")
+        tot = {m: [sum(r["deviations"].get(m, {}).get(k, 0) for r in counted)
+                   for k in ("differ", "engines")] for m in ("stock", "onepage", CONTROL)}
+        out.append("| all | " + " | ".join(f"{a} of {n}" for a, n in tot.values()) + " |")
     devs = [(r["cell"], m, e) for r in rows for m, es in (r.get("deviation_schedules") or {}).items()
             for e in es]
     if devs:
@@ -855,8 +918,12 @@ def resumable(runs: list[dict[str, Any]], pool: str, autotune: str, max_num_seqs
 def run(args: argparse.Namespace) -> int:
     if args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: expected a count of 1 or more")
-    if not 1 <= args.copies <= 8:
-        raise SystemExit(f"--copies {args.copies}: expected 1 to 8 engines per mode")
+    if not 1 <= args.copies <= MAX_COPIES:
+        raise SystemExit(f"--copies {args.copies}: expected 1 to {MAX_COPIES} engines per mode")
+    copy_modes = frozenset(args.copy_modes.split(",")) if args.copy_modes else None
+    if copy_modes is not None and not copy_modes <= {"stock", "onepage", CONTROL}:
+        raise SystemExit(f"--copy-modes {args.copy_modes}: expected a comma-separated subset "
+                         f"of stock, onepage, {CONTROL}")
     if args.copies > 1 and args.resume:
         raise SystemExit("--copies with --resume: copies must run in the same waves as their "
                          "first engines; run the cells afresh")
@@ -893,6 +960,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "max_num_seqs": args.max_num_seqs, "copies": args.copies,
+            "copy_modes": sorted(copy_modes) if copy_modes else None,
             "repeat": args.repeat,
             # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b's GDN out_proj)
             "model_weights_sha256": {name: weights_sha256(models / name) for name in MODELS
@@ -912,15 +980,22 @@ def run(args: argparse.Namespace) -> int:
     if args.first:  # cells whose names hold one of these run first (a run may end on budget)
         keys = args.first.split(",")
         cells.sort(key=lambda c: next((i for i, k in enumerate(keys) if k in c.name), len(keys)))
-    jobs = [(c, m) for c in cells for m in modes(c, args.repeat, args.copies)
-            if (c.name, m) not in have]
+    # every cell's first engines, then the copies copy by copy across cells: the waves stay
+    # mixed, and a budget cut takes copies, not a cell's first engines
+    jobs = sorted(((c, m) for c in cells for m in modes(c, args.repeat, args.copies, copy_modes)
+                   if (c.name, m) not in have),
+                  key=lambda cm: int(cm[1].split(COPY)[1]) if COPY in cm[1] else 0)
     log(f"{len(cells)} cells, {len(jobs)} engines to run, {args.parallel} at a time")
     lock = threading.Lock()
     runs = list(done)
 
+    schedules_path = out / SCHEDULES_FILE
+
     def write() -> None:
-        rows = summarize(runs, args.copies, args.repeat)
-        results_path.write_text(json.dumps({"meta": meta, "cells": rows, "runs": runs}, indent=1))
+        rows = summarize(runs, args.copies, args.repeat, copy_modes)
+        # each engine's step schedules go to their own file as it ends (they outweigh the rest)
+        slim = [{k: v for k, v in r.items() if k != "schedules"} for r in runs]
+        results_path.write_text(json.dumps({"meta": meta, "cells": rows, "runs": slim}, indent=1))
         (out / "gpu_engine_summary.md").write_text(markdown(rows, meta))
 
     def job(cell: Cell, mode: str) -> None:
@@ -935,13 +1010,23 @@ def run(args: argparse.Namespace) -> int:
             f" planner={r['planner_tokens']} {r.get('error', '')[-400:]}")
         with lock:
             runs.append(r)
+            if r.get("schedules"):
+                with open(schedules_path, "a") as f:
+                    f.write(json.dumps({"cell": r["cell"], "mode": r["mode"],
+                                        "schedules": r["schedules"]}, separators=(",", ":")) + "\n")
             write()
 
     with futures.ThreadPoolExecutor(args.parallel) as pool:
         for f in [pool.submit(job, c, m) for c, m in jobs]:
             f.result()
     write()
-    rows = summarize(runs, args.copies, args.repeat)
+    if schedules_path.exists():   # what comes back from the GPU machine is limited: compressed
+        import lzma
+
+        with open(schedules_path, "rb") as src, lzma.open(str(schedules_path) + ".xz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        schedules_path.unlink()
+    rows = summarize(runs, args.copies, args.repeat, copy_modes)
     print(markdown(rows, meta))
     if args.save_caches:
         save_caches(out, log)
@@ -983,6 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="engines per mode and cell, run in the same waves; a cell is ok only "
                         "when every copy gives its first engine's ids (determinism under a "
                         "shared GPU)")
+    r.add_argument("--copy-modes", help="copy only these modes (comma-separated, e.g. onepage: "
+                   "many one-page engines against one stock engine per cell)")
     r.add_argument("--resume", help="a gpu_engine_runs.json whose ok engines are kept, not rerun")
     r.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                    help="both engines' max_num_seqs (7: the draft model's later steps run at "
@@ -1008,9 +1095,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "run":
         return run(args)
-    data = json.loads(pathlib.Path(args.results).read_text())
+    data = load_results(pathlib.Path(args.results))
+    cm = data["meta"].get("copy_modes")
     rows = summarize(data["runs"], data["meta"].get("copies", 1),
-                     data["meta"].get("repeat", False))
+                     data["meta"].get("repeat", False), frozenset(cm) if cm else None)
     text = markdown(rows, data["meta"])
     if args.md:
         pathlib.Path(args.md).write_text(text)

@@ -349,8 +349,8 @@ def test_copies_run_each_mode_again_and_fail_a_cell_whose_copy_differs(ge):
 
 
 def test_run_refuses_copies_out_of_range(ge, tmp_path):
-    for bad in ("0", "9"):
-        with pytest.raises(SystemExit, match=f"--copies {bad}: expected 1 to 8 engines per mode"):
+    for bad in ("0", "33"):
+        with pytest.raises(SystemExit, match=f"--copies {bad}: expected 1 to 32 engines per mode"):
             ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
                      "--copies", bad])
     assert not (tmp_path / "o").exists()
@@ -480,3 +480,56 @@ def test_a_deviation_says_whether_the_engines_scheduled_the_same_batches(ge):
     for r in runs.values():
         r.pop("schedules")
     assert ge.compare_cell(runs)["deviation_schedules"]["onepage"][0]["schedule"] == "not recorded"
+
+
+def test_many_onepage_copies_are_counted_per_mode_and_a_budget_cut_keeps_the_figures(ge):
+    pcon = ge.Cell("v2", "eager", True, 3, "fp32", "tiny")
+    only = frozenset({"onepage"})
+    assert ge.modes(pcon, copies=3, copy_modes=only) == (
+        "stock", "onepage", ge.CONTROL, "onepage~1", "onepage~2")
+    runs = _cell()
+    for i in (1, 2, 3):
+        runs[f"onepage~{i}"] = dict(copy.deepcopy(runs["onepage"]), mode=f"onepage~{i}")
+    runs["onepage~2"]["tokens"]["batch"][0][0] = 9        # one copy deviates
+    runs["stock"]["tokens"] = copy.deepcopy(runs["stock"]["tokens"])
+    runs["stock"]["tokens"]["batch"][1][2] = 9            # default stock: another block size
+    rows = ge.summarize(list(runs.values()), copies=4, copy_modes=only)
+    (row,) = rows
+    assert not row["ok"] and row["identical"]
+    assert row["deviations"] == {"stock": {"engines": 1, "differ": 0},
+                                 "onepage": {"engines": 4, "differ": 1},
+                                 ge.CONTROL: {"engines": 1, "differ": 0}}
+    md = ge.markdown(rows, {"command": "x"})
+    assert "| all | 0 of 1 | 1 of 4 | 0 of 1 |" in md
+    # the budget cut copy 3: the cell fails and says so, and keeps its counts
+    cut = [r for m, r in runs.items() if m != "onepage~3"]
+    (row,) = ge.summarize(cut, copies=4, copy_modes=only)
+    assert not row["ok"] and row["missing"] == ["onepage~3"]
+    assert row["deviations"]["onepage"] == {"engines": 3, "differ": 1}
+    # without a first engine there is nothing to count
+    (row,) = ge.summarize([r for m, r in runs.items() if m != "onepage"], copies=4, copy_modes=only)
+    assert not row["ok"] and "deviations" not in row
+    with pytest.raises(SystemExit, match="--copy-modes stok: expected a comma-separated subset"):
+        ge.main(["run", "--stage", "x", "--out", "/nonexistent/o", "--copy-modes", "stok"])
+
+
+def test_schedules_kept_beside_the_results_come_back_for_the_summary(ge, tmp_path):
+    import json
+    import lzma
+
+    runs = _cell()
+    runs["onepage"]["tokens"] = copy.deepcopy(runs["onepage"]["tokens"])
+    runs["onepage"]["tokens"]["batch"][1][2] = 9
+    sched = {"batch": {"prompt_tokens": [5, 3], "steps": [[[0, 0, 5, 0], [1, 0, 3, 0]],
+                                                         [[0, 5, 3, 2], [1, 3, 3, 2]]]}}
+    (tmp_path / "gpu_engine_runs.json").write_text(json.dumps(
+        {"meta": {"command": "x"}, "cells": [], "runs": list(runs.values())}))
+    with lzma.open(tmp_path / (ge.SCHEDULES_FILE + ".xz"), "wt") as f:
+        for m in ("stock-blk", "onepage"):   # stock's were never written: it stays without
+            f.write(json.dumps({"cell": runs[m]["cell"], "mode": m, "schedules": sched}) + "\n")
+    data = ge.load_results(tmp_path / "gpu_engine_runs.json")
+    by_mode = {r["mode"]: r for r in data["runs"]}
+    assert by_mode["onepage"]["schedules"] == sched and by_mode["stock"]["schedules"] is None
+    (row,) = ge.summarize(data["runs"])
+    assert row["deviation_schedules"]["onepage"][0]["schedule"] == "same"
+    assert ge.main(["summarize", str(tmp_path / "gpu_engine_runs.json")]) == 1
