@@ -61,6 +61,38 @@ MODELS: dict[str, list[str]] = {
                "head_dim=256", "linear_num_key_heads=8", "linear_num_value_heads=24",
                "linear_key_head_dim=128", "linear_value_head_dim=128"],
 }
+# The other architectures the plugin registers (make-tiny --arch), each at the tiny shape (GDN
+# head dims 64: vLLM's Triton decode, as Qwen3-Next) and at gdn27b's (128/128: on CUDA, stock
+# vLLM takes NVIDIA's fused MTP decode for these layouts, one-page its own step)
+ARCH_MODELS: dict[str, tuple[str, list[str]]] = {
+    **{f"{short}": (arch, []) for short, arch in (("q35", "qwen3_5"), ("q35moe", "qwen3_5_moe"),
+                                                   ("q35vl", "qwen3_5_vl"), ("q4exp", "qwen4_exp"))},
+    **{f"{short}-27b": (arch, MODELS["gdn27b"])
+       for short, arch in (("q35", "qwen3_5"), ("q35moe", "qwen3_5_moe"),
+                           ("q35vl", "qwen3_5_vl"), ("q4exp", "qwen4_exp"))},
+}
+
+
+def model_recipe(name: str) -> tuple[str, list[str]]:
+    """(make-tiny --arch, --set values) of a model the harness makes."""
+    return ARCH_MODELS[name] if name in ARCH_MODELS else ("qwen3_next", MODELS[name])
+
+
+def takes_fused_decode(name: str) -> bool:
+    """Whether stock vLLM 0.32-0.34 on CUDA takes NVIDIA's fused MTP decode for this model by
+    default (`_fused_gdn_decode_unsupported_reason`: not Qwen3-Next's interleaved layout, GDN
+    head dims 128/128, bf16 weights, which make-tiny writes); one-page is bit-identical to the
+    Triton decode, so such cells compare it with stock on VLLM_GDN_DECODE_KERNEL=triton and
+    report vLLM's default beside."""
+    from r9k.capacity import TINY_SHAPE
+    from r9k.devtools.tiny_model import parse_overrides
+
+    arch, sets = model_recipe(name)
+    o = parse_overrides(sets)
+    dims = tuple(o.get(f, TINY_SHAPE[f]) for f in ("linear_key_head_dim", "linear_value_head_dim"))
+    return arch != "qwen3_next" and dims == (128, 128)
+
+
 RUNNERS = ("v2", "v1")
 GRAPHS = ("eager", "fdo", "fap")  # eager; FULL_DECODE_ONLY graphs; vLLM's default compiled mode
 STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -108,7 +140,20 @@ def smoke() -> list[Cell]:
     return [Cell("v2", "eager", False, 3, "fp32", "tiny")]
 
 
-PLANS = {"matrix": matrix, "smoke": smoke}
+def architectures() -> list[Cell]:
+    """Each other architecture twice: vLLM's default configuration (V2, compiled, prefix
+    caching on) at gdn27b's shape (stock's fused MTP decode), and eager without prefix caching
+    at the tiny shape (Triton decode), k and state dtype alternating."""
+    shorts = sorted({name.split("-")[0] for name in ARCH_MODELS})
+    cells = []
+    for i, short in enumerate(shorts):
+        k, state = ((3, "bf16"), (7, "fp32"))[i % 2]
+        cells.append(Cell("v2", "fap", True, k, state, f"{short}-27b"))
+        cells.append(Cell("v2", "eager", False, 10 - k, ("fp32", "bf16")[i % 2], short))
+    return cells
+
+
+PLANS = {"matrix": matrix, "smoke": smoke, "architectures": architectures}
 # With prefix caching on, prefill chunks end on block boundaries and cached prefixes are whole
 # blocks, so two engines of different block sizes split the same prompts differently (GDN state
 # and attention then round differently): stock vLLM, not the plugin. "stock-blk" is stock pages
@@ -144,19 +189,26 @@ COPY = "~"
 MAX_COPIES = 32
 
 
+# In a cell whose model takes stock's fused MTP decode (`takes_fused_decode`), every stock
+# engine runs the Triton decode but this one, which keeps vLLM's default: reported, not held
+FUSED = "stock-fused"
+
+
 def modes(cell: Cell, repeat: bool = False, copies: int = 1,
           copy_modes: frozenset[str] | None = None) -> tuple[str, ...]:
-    return cell_modes(cell.prefix_caching, repeat, copies, copy_modes)
+    return cell_modes(cell.prefix_caching, repeat, copies, copy_modes,
+                      fused=takes_fused_decode(cell.model))
 
 
 def cell_modes(prefix_caching: bool, repeat: bool = False, copies: int = 1,
-               copy_modes: frozenset[str] | None = None) -> tuple[str, ...]:
+               copy_modes: frozenset[str] | None = None, fused: bool = False) -> tuple[str, ...]:
     """The engines a cell runs (and its verdict wants); copies of every mode, or of
     `copy_modes` only (many one-page copies against one stock engine)."""
     ms = ("stock", "onepage", CONTROL) if prefix_caching else ("stock", "onepage")
     ms = ms + (AGAIN,) if repeat else ms
     return ms + tuple(f"{m}{COPY}{i}" for i in range(1, copies) for m in ms
-                      if m != AGAIN and (copy_modes is None or m in copy_modes))
+                      if m != AGAIN and (copy_modes is None or m in copy_modes)) \
+        + ((FUSED,) if fused else ())
 
 
 def base_mode(mode: str) -> str:
@@ -258,7 +310,7 @@ def prefix_scenarios(block: int) -> list[dict]:
 def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                 gpu_memory_utilization: float, block_size: int | None = None,
                 pool: str = "small", prefix_block: int = 256, autotune: str = "first",
-                max_num_seqs: int = MAX_NUM_SEQS):
+                max_num_seqs: int = MAX_NUM_SEQS, keep_vllm_decode: bool = False):
     from r9k.devtools import engine_scenarios as es
     from r9k.devtools.engine_runs import EngineSpec
 
@@ -273,6 +325,10 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
     if cell.graphs == "fdo":
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     env = dict(GPU_RUN_ENV, **AUTOTUNE_ENV[autotune])
+    if takes_fused_decode(cell.model) and not keep_vllm_decode:
+        # one-page runs its own step whatever this says; stock engines take the decode
+        # one-page is bit-identical to (and stock's on ROCm)
+        env["VLLM_GDN_DECODE_KERNEL"] = "triton"
     if cell.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if pool == "forced":
@@ -299,10 +355,12 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     kv_bytes = pool_bytes(model_path, cell, pool)
     plan = planner(model_path, cell, kv_bytes)
     as_mode = reference(cell.prefix_caching) if mode == AGAIN else base_mode(mode)
+    keep_vllm_decode = as_mode == FUSED
+    as_mode = "stock" if keep_vllm_decode else as_mode   # vLLM's default block and pool too
     block = plan["onepage"]["block"] if as_mode == CONTROL else None
     spec = engine_spec(cell, as_mode, model_path, kv_bytes, util, block_size=block, pool=pool,
                        prefix_block=plan["onepage"]["block"], autotune=autotune,
-                       max_num_seqs=max_num_seqs)
+                       max_num_seqs=max_num_seqs, keep_vllm_decode=keep_vllm_decode)
     out: dict[str, Any] = {"cell": cell.name, "mode": mode, "pool": pool, "autotune": autotune,
                            "max_num_seqs": max_num_seqs,
                            "kv_cache_memory_bytes": kv_bytes,
@@ -324,6 +382,7 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
     # the plugin's own lines (page decision, draft-model graph sizes) from the start: the tail
     # above loses them behind a compiled engine's warnings
     out["log_r9k_lines"] = plugin_lines(log)
+    out["gdn_decode_kernel"] = gdn_decode_kernel(log)
     out["inductor"] = inductor_artifacts(log)
     return out
 
@@ -331,6 +390,15 @@ def run_engine(cell: Cell, mode: str, models: pathlib.Path, timeout_s: float, ut
 def plugin_lines(log: str) -> list[str]:
     """The plugin's own log lines (page decision, draft-model graph sizes), from the start."""
     return [line[-300:] for line in log.splitlines() if "r9k" in line][:30]
+
+
+def gdn_decode_kernel(log: str) -> str | None:
+    """The GDN spec-decode kernel vLLM's layers chose ("cuda": NVIDIA's fused MTP decode,
+    "triton"), from vLLM's own start-up line; one-page's step replaces it (the plugin's label)."""
+    import re
+
+    m = re.search(r"GDN spec decode kernel: (\w+)", log)
+    return m.group(1) if m else None
 
 
 def inductor_artifacts(log: str) -> str | None:
@@ -428,7 +496,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     deviations: dict[str, dict[str, int]] = {}
     for m, r in runs.items():
         base = base_mode(m)
-        if base == AGAIN:
+        if base in (AGAIN, FUSED):
             continue
         want = runs["stock"] if base == "stock" and ref_mode == CONTROL else ref
         d = deviations.setdefault(base, {"engines": 0, "differ": 0})
@@ -441,6 +509,8 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for m, d in copies_diffs.items():
         if d:
             schedules[m] = deviation_schedules(runs[base_mode(m)], runs[m], d)
+    fused = runs.get(FUSED)
+    fused_diffs = token_diffs(fused["tokens"], onepage["tokens"])[2] if fused else None
     kv = {m: (r["kv_cache_tokens"], r["planner_tokens"]) for m, r in
           (("stock", stock), ("onepage", onepage))}
     both = (("stock", ref), ("onepage", onepage))
@@ -451,6 +521,11 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         stock_vs_stock_blk_diffs=stock_stock if ref_mode == CONTROL else None,
         again_diffs=again_diffs, copies_diffs=copies_diffs,
         deviations=deviations,
+        # stock's own default where it is NVIDIA's fused MTP decode: beside, not held to
+        stock_fused_diffs=fused_diffs,
+        decode_paths={m: (r["plugin"].get("gdn_spec_decode") if base_mode(m) == "onepage"
+                          else r.get("gdn_decode_kernel"))
+                      for m, r in runs.items() if COPY not in m},
         deviation_schedules={m: v for m, v in schedules.items() if v},
         acceptance_hist={m: r["acceptance_hist"] for m, r in both},
         acceptance_varies=all(acceptance_varies(r["acceptance_hist"]) for _, r in both),
@@ -517,7 +592,9 @@ def summarize(runs: list[dict[str, Any]], copies: int = 1, repeat: bool = False,
         by_cell.setdefault(r["cell"], {})[r["mode"]] = r
     rows = []
     for cell, got in by_cell.items():
-        want = set(cell_modes("-pcon-" in cell, repeat, copies, copy_modes))
+        model = cell.split("-", 5)[-1]   # runner-graphs-pc-k-state-model (model may hold "-")
+        fused = (model in MODELS or model in ARCH_MODELS) and takes_fused_decode(model)
+        want = set(cell_modes("-pcon-" in cell, repeat, copies, copy_modes, fused))
         missing = sorted(want - set(got))
         firsts = set(cell_modes("-pcon-" in cell))
         if not missing:
@@ -576,6 +653,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         again = r.get("again_diffs")
         if again is not None:
             dflt += f"{'; ' if dflt else ''}again: {len(again)} differ"
+        if r.get("stock_fused_diffs") is not None:
+            dflt += (f"{'; ' if dflt else ''}vLLM's fused MTP decode: "
+                     f"{len(r['stock_fused_diffs'])} differ")
         if r.get("copies_diffs"):
             dflt += (f"{'; ' if dflt else ''}copies: " + ", ".join(
                 f"{m} {len(d)} differ" + (f" ({', '.join(d[:3])})" if d else "")
@@ -949,28 +1029,36 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(site))
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    # made here, not carried (random weights do not compress): seeded, so every run's are equal
-    models = pathlib.Path(args.models) if args.models else work / "models"
-    if not args.models:
-        from r9k.devtools.tiny_model import make_tiny, parse_overrides
-
-        for name, sets in MODELS.items():
-            make_tiny(models / name, seed=0, overrides=parse_overrides(sets))
-        log(f"models made: {', '.join(MODELS)}")
     meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "max_num_seqs": args.max_num_seqs, "copies": args.copies,
             "copy_modes": sorted(copy_modes) if copy_modes else None,
-            "repeat": args.repeat,
-            # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b's GDN out_proj)
-            "model_weights_sha256": {name: weights_sha256(models / name) for name in MODELS
-                                     if (models / name / "model.safetensors").exists()}}
+            "repeat": args.repeat}
     log(f"versions {meta}")
     set_planner_vllm(meta["vllm"])
     cells = runnable_cells(PLANS[args.plan](), meta["vllm"], log)
     if args.cells:
         wanted = set(args.cells.split(","))
+        unknown = wanted - {c.name for c in cells}
+        if unknown:
+            raise SystemExit(f"--cells: {', '.join(sorted(unknown))} not in the {args.plan} plan "
+                             f"(expected some of {', '.join(c.name for c in cells)})")
         cells = [c for c in cells if c.name in wanted]
+    # made here, not carried (random weights do not compress): seeded, so every run's are equal;
+    # only the models the cells use
+    models = pathlib.Path(args.models) if args.models else work / "models"
+    used = sorted({c.model for c in cells})
+    if not args.models:
+        from r9k.devtools.tiny_model import make_tiny, parse_overrides
+
+        for name in used:
+            arch, sets = model_recipe(name)
+            make_tiny(models / name, seed=0, overrides=parse_overrides(sets),
+                      **({} if arch == "qwen3_next" else {"arch": arch}))
+        log(f"models made: {', '.join(used)}")
+    # which weights ran: make-tiny's recipe has changed before (gdn27b's GDN out_proj)
+    meta["model_weights_sha256"] = {name: weights_sha256(models / name) for name in used
+                                    if (models / name / "model.safetensors").exists()}
     results_path = out / "gpu_engine_runs.json"
     done: list[dict[str, Any]] = []
     if args.resume:

@@ -533,3 +533,42 @@ def test_schedules_kept_beside_the_results_come_back_for_the_summary(ge, tmp_pat
     (row,) = ge.summarize(data["runs"])
     assert row["deviation_schedules"]["onepage"][0]["schedule"] == "same"
     assert ge.main(["summarize", str(tmp_path / "gpu_engine_runs.json")]) == 1
+
+
+def test_architecture_cells_compare_onepage_with_stocks_triton_decode_and_report_the_fused_one(ge, tmp_path):
+    cells = ge.architectures()
+    archs = {ge.model_recipe(c.model)[0] for c in cells}
+    assert archs == {"qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen4_exp"}
+    assert {c.k for c in cells} == {3, 7} and {c.state for c in cells} == {"fp32", "bf16"}
+    fused = [c for c in cells if ge.takes_fused_decode(c.model)]
+    # vLLM's default configuration at gdn27b's 128/128 heads: the fused path; tiny dims: Triton
+    assert {(c.graphs, c.prefix_caching) for c in fused} == {("fap", True)} and len(fused) == 4
+    assert not ge.takes_fused_decode("gdn27b") and not ge.takes_fused_decode("q35")
+    cell = fused[0]
+    assert ge.modes(cell) == ("stock", "onepage", ge.CONTROL, ge.FUSED)
+    assert ge.modes(cell, copies=2, copy_modes=frozenset({"onepage"}))[-1] == ge.FUSED
+    # every stock engine on the Triton decode but the fused one, which keeps vLLM's default
+    env = {m: ge.engine_spec(cell, m, tmp_path, 1 << 26, 0.04, keep_vllm_decode=m == ge.FUSED).env
+           for m in ("stock", "onepage", ge.CONTROL, ge.FUSED)}
+    assert {m: e.get("VLLM_GDN_DECODE_KERNEL") for m, e in env.items()} == {
+        "stock": "triton", "onepage": "triton", ge.CONTROL: "triton", ge.FUSED: None}
+    tiny = next(c for c in cells if not ge.takes_fused_decode(c.model))
+    assert "VLLM_GDN_DECODE_KERNEL" not in ge.engine_spec(tiny, "stock", tmp_path, 1 << 26, 0.04).env
+    # the verdict: one-page held to the Triton stock, the fused one's differences reported
+    runs = _cell()
+    for r in runs.values():
+        r["cell"] = cell.name
+        r["gdn_decode_kernel"] = "triton"
+    runs[ge.FUSED] = dict(copy.deepcopy(runs["stock"]), mode=ge.FUSED, gdn_decode_kernel="cuda")
+    runs[ge.FUSED]["tokens"]["batch"][0][1] = 9
+    (row,) = ge.summarize(list(runs.values()))
+    assert row["ok"] and row["stock_fused_diffs"] == ["batch[0]@1"]
+    assert row["decode_paths"] == {"stock": "triton", "onepage": "r9k-fused", ge.CONTROL: "triton",
+                                   ge.FUSED: "cuda"}
+    assert ge.FUSED not in row["deviations"]
+    assert "vLLM's fused MTP decode: 1 differ" in ge.markdown([row], {"command": "x"})
+    # without its fused engine the cell is incomplete
+    (row,) = ge.summarize([r for m, r in runs.items() if m != ge.FUSED])
+    assert not row["ok"] and ge.FUSED in row["error"]
+    assert ge.gdn_decode_kernel("INFO qwen_gdn_linear_attn.py:620] GDN spec decode kernel: cuda") == "cuda"
+    assert ge.gdn_decode_kernel("no such line") is None
