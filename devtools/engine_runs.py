@@ -246,6 +246,12 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98], "mean": statistics.fmean(values)}
 
 
+def nvml_bus_id(props) -> str:
+    """The PCI address NVML looks a device up by ("00000000:19:00.0"), from torch's device
+    properties, which give the domain, bus and device as numbers."""
+    return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
 class GpuEnergy:
     """The GPU's own energy counter through NVML (nvmlDeviceGetTotalEnergyConsumption,
     millijoules since the driver loaded; Volta and later), for the device this engine runs on,
@@ -266,7 +272,7 @@ class GpuEnergy:
             if nvml.nvmlInit_v2() != 0:
                 self.why = "nvmlInit failed"
                 return
-            bus = torch.cuda.get_device_properties(torch.cuda.current_device()).pci_bus_id
+            bus = nvml_bus_id(torch.cuda.get_device_properties(torch.cuda.current_device()))
             handle = ctypes.c_void_p()
             if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) != 0:
                 self.why = f"no NVML device at {bus}"

@@ -259,3 +259,18 @@ def test_results_of_several_calls_pool_with_pairs_kept_per_file(gp, tmp_path):
         "tokens": 8100, "whole_requests": 3}}), "engines": []}))
     with pytest.raises(SystemExit, match="'planner' differs"):
         gp.pool_results([str(before), str(other)], [])
+
+
+def test_nvml_finds_the_device_by_the_address_torch_gives_as_numbers():
+    """torch's device properties hold the PCI domain, bus and device as numbers; NVML's lookup
+    wants the address text (a string taken as-is there found no device: no energy at all)."""
+    from types import SimpleNamespace
+
+    from r9k.devtools.engine_runs import GpuEnergy, nvml_bus_id
+
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0)
+    assert nvml_bus_id(props) == "00000000:19:00.0"
+    assert nvml_bus_id(SimpleNamespace(pci_domain_id=1, pci_bus_id=0xc1, pci_device_id=3)) == "00000001:c1:03.0"
+    # no CUDA here: no reading, and a reason
+    energy = GpuEnergy()
+    assert energy.read_j() is None and energy.why == "no CUDA device (NVML is NVIDIA's)"
