@@ -566,11 +566,11 @@ SCHEDULES_FILE = "gpu_engine_schedules.jsonl"
 
 
 def load_results(path: pathlib.Path) -> dict[str, Any]:
-    """A run's results JSON with each engine's step schedules put back from the file beside it
-    (SCHEDULES_FILE, also read as .xz), where they were kept."""
+    """A run's results JSON (or .json.xz) with each engine's step schedules put back from the
+    file beside it (SCHEDULES_FILE, also read as .xz), where they were kept."""
     import lzma
 
-    data = json.loads(path.read_text())
+    data = json.loads(lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text())
     for name, opener in ((SCHEDULES_FILE, open), (SCHEDULES_FILE + ".xz", lzma.open)):
         side = path.parent / name
         if side.exists():
