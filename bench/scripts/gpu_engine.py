@@ -567,11 +567,13 @@ SCHEDULES_FILE = "gpu_engine_schedules.jsonl"
 
 def load_results(path: pathlib.Path) -> dict[str, Any]:
     """A run's results JSON (or .json.xz) with each engine's step schedules put back from the
-    file beside it (SCHEDULES_FILE, also read as .xz), where they were kept."""
+    file beside it (SCHEDULES_FILE, or NAME_schedules.jsonl for NAME.json; also as .xz)."""
     import lzma
 
     data = json.loads(lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text())
-    for name, opener in ((SCHEDULES_FILE, open), (SCHEDULES_FILE + ".xz", lzma.open)):
+    stem = path.name.removesuffix(".xz").removesuffix(".json")
+    sides = [SCHEDULES_FILE, f"{stem}_schedules.jsonl"]   # as a run writes it; as filed in results
+    for name, opener in [(n + x, o) for n in sides for x, o in (("", open), (".xz", lzma.open))]:
         side = path.parent / name
         if side.exists():
             with opener(side, "rt") as f:
