@@ -153,7 +153,14 @@ def architectures() -> list[Cell]:
     return cells
 
 
-PLANS = {"matrix": matrix, "smoke": smoke, "architectures": architectures}
+def architectures_eager() -> list[Cell]:
+    """The same cells without CUDA graphs or compilation: every engine starts in seconds (a
+    first look at each architecture within little device time)."""
+    return [dataclasses.replace(c, graphs="eager") for c in architectures()]
+
+
+PLANS = {"matrix": matrix, "smoke": smoke, "architectures": architectures,
+         "architectures-eager": architectures_eager}
 # With prefix caching on, prefill chunks end on block boundaries and cached prefixes are whole
 # blocks, so two engines of different block sizes split the same prompts differently (GDN state
 # and attention then round differently): stock vLLM, not the plugin. "stock-blk" is stock pages

@@ -6,6 +6,7 @@ images of one architecture."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import itertools
 import struct
@@ -572,3 +573,6 @@ def test_architecture_cells_compare_onepage_with_stocks_triton_decode_and_report
     assert not row["ok"] and ge.FUSED in row["error"]
     assert ge.gdn_decode_kernel("INFO qwen_gdn_linear_attn.py:620] GDN spec decode kernel: cuda") == "cuda"
     assert ge.gdn_decode_kernel("no such line") is None
+    eager = ge.PLANS["architectures-eager"]()
+    assert [dataclasses.replace(c, graphs="fap" if c.prefix_caching else "eager") for c in eager] == cells
+    assert {c.graphs for c in eager} == {"eager"}
