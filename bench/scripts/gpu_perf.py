@@ -47,6 +47,9 @@ MODEL_NAME = "gdn27b-deep"
 MODEL_SETS = ["num_hidden_layers=32", "hidden_size=1024", "num_attention_heads=8",
               "num_key_value_heads=2", "head_dim=256", "linear_num_key_heads=8",
               "linear_num_value_heads=24", "linear_key_head_dim=128", "linear_value_head_dim=128"]
+# The 27B's GDN heads per rank at each tensor-parallel size (key / value heads of 128): what one
+# card's GDN layers run, and where one-page's fixed cost per layer weighs most (TP4)
+RANK_HEADS = {"tp1": (16, 48), "tp2": (8, 24), "tp4": (4, 12)}
 MAX_MODEL_LEN = 2048
 PROMPT_TOKENS = 1536
 OUTPUT_TOKENS = 256
@@ -67,6 +70,18 @@ ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERN
 ARM_VARIABLES = ("VLLM_GDN_DECODE_KERNEL", "R9K_GDN_INPLACE", "R9K_DRAFT_GRAPHS")
 PROFILE = {"name": "profile", "kind": "profile", "prompt_tokens": PROMPT_TOKENS,
            "max_tokens": 96, "warm_steps": 12, "steps": 16, "seed": 700}
+
+
+def perf_model_sets(model_sets: str | None = None, rank_heads: str | None = None) -> list[str]:
+    """make-tiny --set values of the run's model: the default, or `--model-sets`, with the GDN
+    heads of a 27B rank at `--rank-heads` in place of its own."""
+    sets = model_sets.split(",") if model_sets else list(MODEL_SETS)
+    if rank_heads:
+        key, value = RANK_HEADS[rank_heads]
+        sets = [x for x in sets if not x.startswith(("linear_num_key_heads=",
+                                                     "linear_num_value_heads="))]
+        sets += [f"linear_num_key_heads={key}", f"linear_num_value_heads={value}"]
+    return sets
 
 
 def loads(sweep=SWEEP, prompt_tokens: int = PROMPT_TOKENS, output_tokens: int = OUTPUT_TOKENS,
@@ -167,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     from r9k.devtools.tiny_model import make_tiny, parse_overrides
 
-    sets = args.model_sets.split(",") if args.model_sets else MODEL_SETS
+    sets = perf_model_sets(args.model_sets, args.rank_heads)
     sweep = tuple(int(c) for c in args.sweep.split(","))
     scenarios = loads(sweep, args.prompt_tokens, args.output_tokens, args.requests_per_point)
     if args.profile:
@@ -547,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the loads, one request's decode steps under torch's profiler")
     r.add_argument("--parallel-modes", action="store_true",
                    help="run the stock and one-page engines of a repeat at once (diagnosis only)")
+    r.add_argument("--rank-heads", choices=sorted(RANK_HEADS),
+                   help="the 27B's GDN heads per rank at this TP size (16/48, 8/24, 4/12), "
+                        "in place of the model's")
     r.add_argument("--model-sets", help="make-tiny --set values, comma-separated (default: "
                                         "the 27B-like model above)")
     s = sub.add_parser("summarize", help="results JSON -> Markdown (and plot); several files "

@@ -274,3 +274,25 @@ def test_nvml_finds_the_device_by_the_address_torch_gives_as_numbers():
     # no CUDA here: no reading, and a reason
     energy = GpuEnergy()
     assert energy.read_j() is None and energy.why == "no CUDA device (NVML is NVIDIA's)"
+
+
+def test_rank_heads_put_a_27b_ranks_gdn_heads_in_the_perf_model(gp):
+    from r9k import capacity as cap
+    from r9k.devtools.tiny_model import build_config, parse_overrides
+
+    assert gp.perf_model_sets() == gp.MODEL_SETS
+    pages = {}
+    for tp, (key, value) in (("tp1", (16, 48)), ("tp2", (8, 24)), ("tp4", (4, 12))):
+        sets = gp.perf_model_sets(rank_heads=tp)
+        cfg = build_config(parse_overrides(sets))
+        assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]) == (key, value)
+        assert sum(x.startswith("linear_num_value_heads=") for x in sets) == 1
+        # everything else is the default model's
+        assert [x for x in sets if "linear_num" not in x] == [x for x in gp.MODEL_SETS if "linear_num" not in x]
+        shape = cap.HybridModelShape.from_config(cfg)
+        pages[tp] = cap.plan(shape, tp=1, num_spec=7, kv_bytes_per_rank=1 << 30, max_model_len=2048,
+                             platform="gpu", state_dtype="float32").onepage.tokens
+    # fewer heads per rank, smaller GDN pages, more tokens in the same pool
+    assert pages["tp1"] < pages["tp2"] < pages["tp4"]
+    assert gp.perf_model_sets("num_hidden_layers=4,linear_num_value_heads=8", "tp4")[-2:] == [
+        "linear_num_key_heads=4", "linear_num_value_heads=12"]
