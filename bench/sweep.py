@@ -216,7 +216,8 @@ class _Signals:
     Outside the event loop the handler raises SweepInterrupted. While a hold runs it must not: an
     exception raised from a handler lands in whatever callback the loop is running, and asyncio
     catches and logs those (a transport's read callback logs "Fatal read error" and goes on), so the
-    signal would be lost. There it cancels the hold's task instead, and `interrupted()` says why."""
+    signal would be lost. There it cancels the hold's task instead, and `run` raises
+    SweepInterrupted once the hold has ended."""
 
     def __enter__(self) -> "_Signals":
         self.received: int | None = None
