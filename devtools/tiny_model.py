@@ -459,12 +459,16 @@ def make_weights(cfg: dict[str, Any], seed: int,
         mtp_cfg["ple_layer_ids"] = []  # vLLM's Qwen4Exp draft layers have no PLE
     torch.manual_seed(seed + 2)
     mtp_model = getattr(transformers, spec.hf_causal_lm)(_hf_config(mtp_cfg, spec))
-    for name, tensor in mtp_model.state_dict().items():
-        if name.startswith("model.layers."):
-            t = tensor.detach().clone()
-            if not name.endswith("norm.weight"):
-                t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
-            weights["mtp.layers." + name[len("model.layers."):]] = t
+
+    def near_identity(src: str, dst: str) -> None:
+        """mtp_model's weights under `src` as `dst`: norms kept, the rest small and random."""
+        for name, tensor in mtp_model.state_dict().items():
+            if name.startswith(src):
+                t = tensor.detach().clone()
+                if not name.endswith("norm.weight"):
+                    t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
+                weights[dst + name[len(src):]] = t
+    near_identity("model.layers.", "mtp.layers.")
     fc_hidden = torch.randn(hidden, hidden, generator=gen) * (
         MTP_FC_HIDDEN_STD * math.sqrt(HIDDEN_FAN_IN / hidden))
     if spec.hyper_connections:
@@ -474,12 +478,7 @@ def make_weights(cfg: dict[str, Any], seed: int,
         # just said". The streams' norm spans all of them.
         weights["mtp.fc_embedding.weight"] = torch.eye(hidden)
         weights["mtp.fc_hidden.weight"] = fc_hidden
-        for name, tensor in mtp_model.state_dict().items():
-            if name.startswith("model.hyper_connection_mixer."):
-                t = tensor.detach().clone()
-                if not name.endswith("norm.weight"):
-                    t = torch.randn(t.shape, generator=gen) * MTP_LAYER_STD
-                weights["mtp." + name[len("model."):]] = t
+        near_identity("model.hyper_connection_mixer.", "mtp.hyper_connection_mixer.")
         weights["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
         weights["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(text["hc_count"] * hidden)
         _qwen4_exp_layout(weights, text)

@@ -5,7 +5,6 @@ of NVIDIA's fused MTP decode, and the page the layer binds. Before the fix the f
 (AttributeError: no `_vllm_config`; ValueError: too many values to unpack)."""
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
@@ -20,20 +19,12 @@ DIMS_128 = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
 @pytest.fixture(scope="module")
 def one_rank():
     """A one-rank gloo group (vLLM's layers read the TP size at construction)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
-
+    from doubles.one_rank import one_rank_group
     from r9k.plugin import register
 
     register()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
-        initialize_model_parallel(1, 1)
-    yield
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    with one_rank_group():
+        yield
 
 
 def _engine_config(tmp_path, overrides=None, k=3, state="float32"):

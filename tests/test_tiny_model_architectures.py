@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import math
-import tempfile
 
 import pytest
 import torch
@@ -237,12 +236,10 @@ def test_cli_refuses_what_the_architecture_has_not(tmp_path, arch, override, mes
 def vllm_rank():
     """One rank (vLLM's layers read the TP size when built), the plugin registered, and the
     Qwen3.5 classes imported under the torchvision stand-in and registered as classes."""
+    from doubles.one_rank import one_rank_group
     from doubles.vllm_accounting import _torchvision_stand_in
 
     from vllm import ModelRegistry
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
 
     from r9k.plugin import register
 
@@ -265,13 +262,8 @@ def vllm_rank():
         for name, cls in classes.items():
             mp.setitem(ModelRegistry.models, name, ModelRegistry.models[name])
             ModelRegistry.register_model(name, cls)
-        with set_current_vllm_config(VllmConfig()):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mktemp()}")
-            initialize_model_parallel(1, 1)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        with one_rank_group():
+            yield
 
 
 def _engine_config(path, **kwargs):
