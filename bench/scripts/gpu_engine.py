@@ -64,12 +64,11 @@ MODELS: dict[str, list[str]] = {
 # The other architectures the plugin registers (make-tiny --arch), each at the tiny shape (GDN
 # head dims 64: vLLM's Triton decode, as Qwen3-Next) and at gdn27b's (128/128: on CUDA, stock
 # vLLM takes NVIDIA's fused MTP decode for these layouts, one-page its own step)
+OTHER_ARCHS = {"q35": "qwen3_5", "q35moe": "qwen3_5_moe", "q35vl": "qwen3_5_vl",
+               "q4exp": "qwen4_exp"}
 ARCH_MODELS: dict[str, tuple[str, list[str]]] = {
-    **{f"{short}": (arch, []) for short, arch in (("q35", "qwen3_5"), ("q35moe", "qwen3_5_moe"),
-                                                   ("q35vl", "qwen3_5_vl"), ("q4exp", "qwen4_exp"))},
-    **{f"{short}-27b": (arch, MODELS["gdn27b"])
-       for short, arch in (("q35", "qwen3_5"), ("q35moe", "qwen3_5_moe"),
-                           ("q35vl", "qwen3_5_vl"), ("q4exp", "qwen4_exp"))},
+    **{short: (arch, []) for short, arch in OTHER_ARCHS.items()},
+    **{f"{short}-27b": (arch, MODELS["gdn27b"]) for short, arch in OTHER_ARCHS.items()},
 }
 
 
@@ -144,9 +143,8 @@ def architectures() -> list[Cell]:
     """Each other architecture twice: vLLM's default configuration (V2, compiled, prefix
     caching on) at gdn27b's shape (stock's fused MTP decode), and eager without prefix caching
     at the tiny shape (Triton decode), k and state dtype alternating."""
-    shorts = sorted({name.split("-")[0] for name in ARCH_MODELS})
     cells = []
-    for i, short in enumerate(shorts):
+    for i, short in enumerate(sorted(OTHER_ARCHS)):
         k, state = ((3, "bf16"), (7, "fp32"))[i % 2]
         cells.append(Cell("v2", "fap", True, k, state, f"{short}-27b"))
         cells.append(Cell("v2", "eager", False, 10 - k, ("fp32", "bf16")[i % 2], short))
