@@ -410,13 +410,19 @@ def _run_profile(llm, sc) -> tuple[list[list[int]], dict[str, Any]]:
             walls.append(time.perf_counter() - t)
     while eng.has_unfinished_requests():
         step()
-    kernels = {}
+    kernels, runtime, host = {}, {}, {}
     for ev in prof.key_averages():
+        if not str(getattr(ev, "device_type", "")).endswith("CUDA"):
+            host[ev.key] = {"count": ev.count, "us": getattr(ev, "self_cpu_time_total", 0)}
         dev_us = getattr(ev, "self_device_time_total", None)
         if dev_us is None:
             dev_us = getattr(ev, "self_cuda_time_total", 0)
         if str(getattr(ev, "device_type", "")).endswith("CUDA") and dev_us > 0:
             kernels[ev.key] = {"count": ev.count, "us": dev_us}
+        elif ev.key.startswith(RUNTIME_CALLS):
+            # host-side launches: graph replays vs kernels launched one by one (what runs
+            # outside CUDA graphs, and pays the host per launch)
+            runtime[ev.key] = {"count": ev.count, "us": getattr(ev, "cpu_time_total", 0)}
     n = sc["steps"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])
     return [tokens], {
@@ -426,7 +432,21 @@ def _run_profile(llm, sc) -> tuple[list[list[int]], dict[str, Any]]:
         "gpu_kernel_us_per_step": sum(v["us"] for v in kernels.values()) / n,
         "top_kernels": [{"name": name[:160], "per_step": v["count"] / n,
                          "us_per_step": v["us"] / n} for name, v in top[:40]],
+        "runtime_calls_per_step": {name: {"count": v["count"] / n, "host_us": v["us"] / n}
+                                   for name, v in sorted(runtime.items())},
+        # host-side ops (torch ops, runtime calls) by their own CPU time: where a step's host
+        # time goes when it, not the GPU, sets the pace
+        "host_ops_per_step": sum(v["count"] for v in host.values()) / n,
+        "top_host_ops": [{"name": name[:160], "per_step": v["count"] / n,
+                          "self_us_per_step": v["us"] / n}
+                         for name, v in sorted(host.items(), key=lambda kv: -kv[1]["us"])[:40]],
     }
+
+
+# CUDA runtime / driver calls a profiled step counts (HIP's names on ROCm)
+RUNTIME_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy",
+                 "cudaStreamSynchronize", "hipGraphLaunch", "hipLaunchKernel",
+                 "hipModuleLaunchKernel", "hipMemcpy", "hipStreamSynchronize")
 
 
 def _engine_facts(cfg) -> dict[str, Any]:

@@ -358,7 +358,10 @@ def arms_summary(meta: dict[str, Any], ok: list[dict[str, Any]]) -> dict[str, An
                 "wall_ms_per_step_p50": statistics.mean(p["wall_ms_per_step"]["p50"] for p in ps),
                 "gpu_kernels_per_step": statistics.mean(p["gpu_kernels_per_step"] for p in ps),
                 "gpu_kernel_us_per_step": statistics.mean(p["gpu_kernel_us_per_step"] for p in ps),
-                "top_kernels": ps[0]["top_kernels"][:15], "repeats": len(ps)}
+                "top_kernels": ps[0]["top_kernels"][:15], "repeats": len(ps),
+                "host_ops_per_step": statistics.mean(p.get("host_ops_per_step", 0) for p in ps),
+                "runtime_calls_per_step": ps[0].get("runtime_calls_per_step", {}),
+                "top_host_ops": ps[0].get("top_host_ops", [])[:15]}
     return {"arms": arms, "arm_rows": rows, "profiles": profiles}
 
 
