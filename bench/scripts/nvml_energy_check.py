@@ -3,8 +3,9 @@
 `r9k.devtools.engine_runs.GpuEnergy` reads NVML's total energy counter around each load (the
 joules per output token of `gpu_perf.py`). This check loads the GPU with matmuls for
 `--seconds`, reads the counter before and after through `GpuEnergy`, and integrates NVML's power
-readings (`nvmlDeviceGetPowerUsage`, sampled every 50 ms) over the same time; it also reads an
-idle stretch. Writes JSON: both energies, their ratio, mean watts.
+readings (`nvmlDeviceGetPowerUsage`, sampled every 50 ms) over the same time, then does the same
+over an idle stretch right after. Writes JSON: both energies per stretch and over both, their
+ratio, mean watts.
 
     # GPU machine, with the stack importable (e.g. PYTHONPATH=<gpu_perf.py's workdir>/site)
     python3 bench/scripts/nvml_energy_check.py --out DIR/nvml_energy_check.json
@@ -72,8 +73,16 @@ def main() -> int:
                 "counter_over_integral": counter / integral if integral else None,
                 "counter_mean_w": counter / (t1 - t0), "power_samples": len(samples)}
 
-    result = {"device": torch.cuda.get_device_name(), "busy": stretch(True),
-              "idle": stretch(False), "date": time.strftime("%Y-%m-%d")}
+    busy, idle = stretch(True), stretch(False)
+    # NVML's power reading is an average over its last second or so: it lags a step in load,
+    # reading low at the start of the busy stretch and high at the start of the idle one that
+    # follows. Over both (back to back) the lag cancels but for the two ends
+    counter = busy["counter_j"] + idle["counter_j"]
+    integral = busy["power_integral_j"] + idle["power_integral_j"]
+    result = {"device": torch.cuda.get_device_name(), "busy": busy, "idle": idle,
+              "busy_then_idle": {"counter_j": counter, "power_integral_j": integral,
+                                 "counter_over_integral": counter / integral},
+              "date": time.strftime("%Y-%m-%d")}
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

