@@ -695,6 +695,18 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         tot = {m: [sum(r["deviations"].get(m, {}).get(k, 0) for r in counted)
                    for k in ("differ", "engines")] for m in ("stock", "onepage", CONTROL)}
         out.append("| all | " + " | ".join(f"{a} of {n}" for a, n in tot.values()) + " |")
+    paths = [r for r in rows if r.get("decode_paths")]
+    if paths:
+        modes_seen = list(dict.fromkeys(m for r in paths for m in r["decode_paths"]))
+        out += ["", "## GDN decode path per engine", "",
+                "What each engine's GDN layers ran on spec steps: one-page engines as the plugin "
+                "reports it (`r9k-fused`: its own Triton step), stock engines as vLLM logged it "
+                "(`triton`: the recurrence one-page is bit-identical to; `cuda`: NVIDIA's fused "
+                "MTP decode, vLLM's default for these layouts on CUDA).", "",
+                "| cell | " + " | ".join(modes_seen) + " |", "|" + "---|" * (1 + len(modes_seen))]
+        for r in paths:
+            out.append(f"| {r['cell']} | " + " | ".join(
+                str(r["decode_paths"].get(m) or "") for m in modes_seen) + " |")
     devs = [(r["cell"], m, e) for r in rows for m, es in (r.get("deviation_schedules") or {}).items()
             for e in es]
     if devs:

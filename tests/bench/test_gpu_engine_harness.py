@@ -567,7 +567,17 @@ def test_architecture_cells_compare_onepage_with_stocks_triton_decode_and_report
     assert row["decode_paths"] == {"stock": "triton", "onepage": "r9k-fused", ge.CONTROL: "triton",
                                    ge.FUSED: "cuda"}
     assert ge.FUSED not in row["deviations"]
-    assert "vLLM's fused MTP decode: 1 differ" in ge.markdown([row], {"command": "x"})
+    md = ge.markdown([row], {"command": "x"})
+    assert "vLLM's fused MTP decode: 1 differ" in md
+    # the decode path table: each engine under its own column
+    header = next(x for x in md.splitlines() if x.startswith("| cell | ") and "triton" not in x
+                  and "r9k-fused" not in x and ge.FUSED in x)
+    line = next(x for x in md.splitlines() if x.startswith(f"| {cell.name} | ")
+                and "r9k-fused" in x)
+    cols = dict(zip(header.strip("|").split(" | "), line.strip("|").split(" | ")))
+    assert {k.strip(): v.strip() for k, v in cols.items()} == {
+        "cell": cell.name, "stock": "triton", "onepage": "r9k-fused", ge.CONTROL: "triton",
+        ge.FUSED: "cuda"}
     # without its fused engine the cell is incomplete
     (row,) = ge.summarize([r for m, r in runs.items() if m != ge.FUSED])
     assert not row["ok"] and ge.FUSED in row["error"]
