@@ -819,6 +819,32 @@ def build_plugin_wheel(dest: pathlib.Path) -> None:
         for old in (dest / "whl").glob(PLUGIN_WHEEL):
             old.unlink()
         shutil.move(str(new[0]), dest / "whl" / new[0].name)
+    (dest / PLUGIN_SOURCE).write_text(json.dumps(plugin_source(REPO)) + "\n")
+
+
+PLUGIN_SOURCE = "plugin_source.json"  # which commit the staged plugin wheel was built from
+
+
+def plugin_source(repo: pathlib.Path) -> dict[str, Any]:
+    """The checkout a plugin wheel is built from: commit, whether the tree differed from it
+    (a result run from a dirty tree names no commit it can be reproduced from), and when."""
+    def git(*a: str) -> str:
+        out = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "--short=12", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def provenance(stage_dir: str | None) -> dict[str, Any]:
+    """What a run's results carry besides versions: the date it ran and the plugin's source
+    (from the stage; "installed" where the stack was installed on the machine)."""
+    source: Any = "installed"
+    if stage_dir:
+        path = pathlib.Path(stage_dir) / PLUGIN_SOURCE
+        source = json.loads(path.read_text()) if path.exists() else None
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "plugin_source": source}
 
 
 def stage(args: argparse.Namespace) -> None:
@@ -1067,7 +1093,8 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(site))
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    meta = {**versions(), "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
+    meta = {**versions(), **provenance(None if args.installed else args.stage),
+            "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
             "plan": args.plan, "pool": args.pool, "autotune": args.autotune,
             "max_num_seqs": args.max_num_seqs, "copies": args.copies,
             "copy_modes": sorted(copy_modes) if copy_modes else None,

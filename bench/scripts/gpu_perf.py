@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     versions = ge.versions()
     ge.set_planner_vllm(versions["vllm"])
     kv_bytes, planner = pool_bytes(model, args.k, not args.no_prefix_caching, args.max_model_len)
-    meta = {**versions, "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
+    meta = {**versions, **ge.provenance(None if args.installed else args.stage),
+            "command": " ".join(["python3"] + sys.argv), "model": MODEL_NAME,
             "model_sets": sets, "model_weights_sha256": weights_sha256, "k": args.k,
             "prefix_caching": not args.no_prefix_caching,
             "kv_cache_memory_bytes": kv_bytes, "planner": planner, "autotune": args.autotune,

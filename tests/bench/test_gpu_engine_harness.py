@@ -618,3 +618,28 @@ def test_staging_shims_apply_once_to_the_released_sources(ge, tmp_path):
         (site / rel).write_text((src / rel).read_text())
     with pytest.raises(SystemExit, match="exactly once"):
         ge.apply_shims(site, logged.append)
+
+
+def test_results_carry_the_date_and_the_plugin_source_from_the_stage(ge, tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "f").write_text("a")
+    subprocess.run(git + ["add", "f"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    src = ge.plugin_source(repo)
+    assert src["commit"] == head and src["dirty"] is False
+    (repo / "f").write_text("b")  # a tracked change: the wheel is not that commit's
+    assert ge.plugin_source(repo)["dirty"] is True
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    assert ge.provenance(str(stage))["plugin_source"] is None  # staged before it was recorded
+    (stage / ge.PLUGIN_SOURCE).write_text(__import__("json").dumps(src))
+    p = ge.provenance(str(stage))
+    assert p["plugin_source"] == src and len(p["date"]) == 10
+    assert ge.provenance(None)["plugin_source"] == "installed"
