@@ -327,6 +327,10 @@ def engine_spec(cell: Cell, mode: str, model_path: pathlib.Path, kv_bytes: int,
                                "attention_backend": "TRITON_ATTN"}}
     if block_size:
         kwargs["block_size"] = block_size
+    if model_recipe(cell.model)[0] == "qwen3_5_vl":
+        # the vision tower's attention: torch's SDPA (its default, FlashAttention, is not
+        # carried to the GPU machine); the prompts are text, the tower runs in the profile run
+        kwargs["mm_encoder_attn_backend"] = "TORCH_SDPA"
     if cell.graphs == "fdo":
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     env = dict(GPU_RUN_ENV, **AUTOTUNE_ENV[autotune])

@@ -553,6 +553,11 @@ def test_architecture_cells_compare_onepage_with_stocks_triton_decode_and_report
            for m in ("stock", "onepage", ge.CONTROL, ge.FUSED)}
     assert {m: e.get("VLLM_GDN_DECODE_KERNEL") for m, e in env.items()} == {
         "stock": "triton", "onepage": "triton", ge.CONTROL: "triton", ge.FUSED: None}
+    vl = next(c for c in cells if c.model.startswith("q35vl"))
+    assert ge.engine_spec(vl, "onepage", tmp_path, 1 << 26, 0.04).engine_kwargs[
+        "mm_encoder_attn_backend"] == "TORCH_SDPA"
+    assert "mm_encoder_attn_backend" not in ge.engine_spec(cell, "onepage", tmp_path, 1 << 26,
+                                                           0.04).engine_kwargs
     tiny = next(c for c in cells if not ge.takes_fused_decode(c.model))
     assert "VLLM_GDN_DECODE_KERNEL" not in ge.engine_spec(tiny, "stock", tmp_path, 1 << 26, 0.04).env
     # the verdict: one-page held to the Triton stock, the fused one's differences reported
