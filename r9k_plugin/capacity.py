@@ -12,7 +12,7 @@ and a two-slot record of last step's candidate rows):
 - layer grouping: every group has the same layer count (`_get_kv_cache_groups_uniform_page_size`
   in `v1/core/kv_cache_utils.py`); the MTP drafter's attention layers join the attention type;
 - Qwen4Exp: a replicated PLE short-conv page beside the GDN page (the block is aligned to the
-  larger; 1 + k pages per request for stock, one for one-page, as the GDN pages); with the QSA indexer, rings and compressed keys of other page sizes, which vLLM packs
+  larger); with the QSA indexer, rings and compressed keys of other page sizes, which vLLM packs
   side by side in each block (`_get_packed_kv_cache_groups`) instead of grouping uniformly;
 - `num_blocks = kv_bytes // (group_size * page)` (packed: // the widest group's bytes);
   blocks per request at max_model_len;
@@ -523,10 +523,8 @@ def plan_pool(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_r
     draft_attn = shape.num_mtp_layers if num_spec > 0 else 0
     n_attn = shape.num_attention_layers + draft_attn
     gdn_pages = gdn_pages_per_request(num_spec, onepage, prefix_caching)
-    # one-page gives Qwen4Exp's PLE short conv no speculative pages either (its runners need
-    # every mamba group alike; r9k.models.sizing.no_speculative_pages)
-    ple_pages = gdn_pages_per_request(num_spec, onepage, prefix_caching) \
-        if shape.num_ple_layers else 0
+    ple_pages = gdn_pages_per_request(num_spec, False, prefix_caching) if shape.num_ple_layers \
+        else 0
     attn_blocks = math.ceil(max_model_len / block)
     n_ring_groups = 0
     if shape.indexer_compress_ratio:

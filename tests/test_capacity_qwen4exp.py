@@ -129,8 +129,8 @@ def test_flash_next_tp2_tp4_exact_numbers():
                      kv_bytes_per_rank=int(gib * GIB), max_model_len=23552)
         got[tp] = (p.stock.tokens, p.onepage.tokens, p.stock.pinned_blocks,
                    p.onepage.pinned_blocks, p.stock.num_blocks, p.onepage.num_blocks)
-    assert got == {2: (154670, 184823, 1288, 400, 4643, 4167),
-                   4: (256394, 280407, 1288, 400, 13216, 11894)}
+    assert got == {2: (154670, 183784, 1288, 424, 4643, 4167),
+                   4: (256394, 279568, 1288, 424, 13216, 11894)}
 
 
 def test_flash_next_pages_and_groups():
@@ -140,8 +140,7 @@ def test_flash_next_pages_and_groups():
     assert (p.stock.group_size, p.stock.num_gdn_groups, p.stock.num_ple_groups,
             p.stock.num_attention_groups) == (1, 36, 1, 13)
     assert (p.stock.gdn_pages_per_request, p.onepage.gdn_pages_per_request) == (5, 2)
-    # one-page gives the PLE layer one page too (vLLM's runners need every mamba group alike)
-    assert (p.stock.ple_pages_per_request, p.onepage.ple_pages_per_request) == (5, 2)
+    assert p.stock.ple_pages_per_request == p.onepage.ple_pages_per_request == 5
     assert (p.stock.gdn_page_bytes, p.onepage.gdn_page_bytes, p.stock.ple_page_bytes) == \
         (286720, 311824, 196608)
 
@@ -167,13 +166,13 @@ def test_cli_flash_next_tp4(capsys):
                                  "--max-model-len", "23552", "--no-prefix-caching"])
     assert r.exit_code == 0, r.output
     assert "PLE page, every rank (B)                     196608          196608" in r.output
-    assert "KV cache tokens                             256,394         280,407" in r.output
-    assert "one-page / stock tokens: x1.094" in r.output
+    assert "KV cache tokens                             256,394         279,568" in r.output
+    assert "one-page / stock tokens: x1.090" in r.output
     r = CliRunner().invoke(cli, ["capacity", "--preset", "flash-next", "--tp", "4",
                                  "--num-spec", "3", "--kv-gib-per-rank", "3.63",
                                  "--max-model-len", "23552", "--json"])
     d = json.loads(r.output)
-    assert d["stock"]["num_ple_groups"] == 1 and d["onepage"]["ple_pages_per_request"] == 2
+    assert d["stock"]["num_ple_groups"] == 1 and d["onepage"]["ple_pages_per_request"] == 5
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -223,50 +222,3 @@ def test_readme_flash_next_section_is_the_planners_output():
         assert f"| {pinned[0]:,} -> {pinned[1]:,} |" in readme, tp
         assert (f"{p.stock.pinned_fraction:.1%} -> {p.onepage.pinned_fraction:.1%} |"
                 in readme), tp
-
-
-def test_onepage_gives_the_other_mamba_layers_no_speculative_pages(monkeypatch):
-    """vLLM's runners stop at start under prefix caching unless every mamba group has the same
-    speculative pages: a one-page Qwen4Exp model's PLE short conv gets 0, as its GDN layers."""
-    from torch import nn
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-        QwenGatedDeltaNetAttention)
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    from r9k.models import sizing
-
-    def spec(nsb):
-        return MambaSpec(shapes=((4, 8),), dtypes=(torch.float32,), block_size=16,
-                         num_speculative_blocks=nsb)
-
-    class ShortConv(nn.Module, MambaBase):  # stands for Qwen4ExpPLELayer
-        def __init__(self):
-            nn.Module.__init__(self)
-
-        def get_kv_cache_spec(self, vllm_config):
-            return spec(vllm_config.k)
-
-        get_state_shape = get_state_dtype = mamba_type = None  # not read here
-
-    gdn = QwenGatedDeltaNetAttention.__new__(QwenGatedDeltaNetAttention)
-    nn.Module.__init__(gdn)
-    gdn_spec = gdn.get_kv_cache_spec = lambda vllm_config: spec(vllm_config.k)
-
-    class Model(nn.Module):
-        def __init__(self, *, vllm_config, prefix=""):
-            super().__init__()
-            self.layers = nn.ModuleList([gdn, ShortConv(), ShortConv()])
-
-    class OnePageModel(sizing.OnePageGdnSizing, Model):
-        pass
-
-    cfg = SimpleNamespace(k=3)
-    for enabled, want in ((False, 3), (True, 0)):
-        monkeypatch.setattr(sizing, "onepage_enabled", lambda c, e=enabled: e)
-        m = OnePageModel(vllm_config=cfg)
-        assert [layer.get_kv_cache_spec(cfg).num_speculative_blocks
-                for layer in m.layers[1:]] == [want, want]
-        assert m.layers[0].get_kv_cache_spec is gdn_spec  # the GDN layer sizes its own spec
-    assert sizing.no_speculative_pages(Model(vllm_config=cfg)) == ["layers.1", "layers.2"]
-    assert spec(0) == sizing._without_speculative_pages(lambda c: spec(0))(cfg)

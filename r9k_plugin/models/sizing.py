@@ -1,7 +1,6 @@
 """The shared page-sizing code path for every one-page model class."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -85,14 +84,7 @@ class OnePageSizing(_StockName):
 
 class OnePageGdnSizing(_StockName):
     """Mixin for Qwen4Exp, whose get_mamba_specs_from_config reads the GDN layout from
-    get_gdn_mamba_state_{shape,dtype}_from_config (its PLE layer keeps its own page, with no
-    speculative pages under one-page: `no_speculative_pages`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        if vllm_config is not None and onepage_enabled(vllm_config):
-            no_speculative_pages(self)
+    get_gdn_mamba_state_{shape,dtype}_from_config (its PLE layer keeps its own spec)."""
 
     @classmethod
     def get_gdn_mamba_state_shape_from_config(cls, vllm_config):
@@ -103,35 +95,3 @@ class OnePageGdnSizing(_StockName):
     def get_gdn_mamba_state_dtype_from_config(cls, vllm_config):
         return onepage_state_dtypes(super().get_gdn_mamba_state_dtype_from_config(vllm_config),
                                     vllm_config)
-
-
-def no_speculative_pages(model) -> list[str]:
-    """A one-page model's other mamba layers (Qwen4Exp's PLE short conv) keep no speculative
-    pages either; returns their names.
-
-    vLLM's V1 and V2 runners stop at start under prefix caching unless every mamba group has
-    the same `num_speculative_blocks` ("all mamba groups must share cache scheduling
-    parameters"): one-page GDN groups have 0, stock's PLE group k. These layers read only their
-    first page (the conv window holds the k extra rows), so the k pages stock gives them are
-    never read; vLLM's own ReplaySSM mode gives every mamba layer 0 the same way.
-    """
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-        QwenGatedDeltaNetAttention)
-
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, MambaBase) and not isinstance(module, QwenGatedDeltaNetAttention):
-            module.get_kv_cache_spec = _without_speculative_pages(module.get_kv_cache_spec)
-            names.append(name)
-    return names
-
-
-def _without_speculative_pages(get_spec):
-    def get_kv_cache_spec(vllm_config):
-        spec = get_spec(vllm_config)
-        if getattr(spec, "num_speculative_blocks", 0):
-            spec = dataclasses.replace(spec, num_speculative_blocks=0)
-        return spec
-
-    return get_kv_cache_spec

@@ -21,8 +21,7 @@ What stands in for an engine here, and why:
 - the platform's layer lookup (`_find_non_ssm_backends`) and model-class lookup
   (`ModelRegistry.resolve_model_cls`) are pointed at the backend and class of the shape, since
   no model is constructed;
-- the one-page GDN layer's spec, and Qwen4Exp's PLE layers' under one-page
-  (`r9k.models.sizing.no_speculative_pages`), is the stock spec with `num_speculative_blocks=0`, as
+- the one-page GDN layer's spec is the stock spec with `num_speculative_blocks=0`, as
   `OnePageGatedDeltaNetAttention.get_kv_cache_spec` (r9k/gdn_layer.py) builds it; its state
   shapes and dtypes come from the plugin's model class (r9k/models/sizing.py mixins) applied to
   vLLM's class, as the plugin registers it.
@@ -283,10 +282,8 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
             specs[f"model.layers.{i}.self_attn.attn"] = attn_spec
     if family == "qwen4_exp":
         for layer_id in sorted(set(hf.ple_layer_ids)):
-            ple_layer_spec = layer_spec(ple_spec, MambaAttentionBackendEnum.SHORT_CONV, True)
-            if onepage and num_spec:  # r9k.models.sizing.no_speculative_pages
-                ple_layer_spec = dataclasses.replace(ple_layer_spec, num_speculative_blocks=0)
-            specs[f"model.layers.{layer_id - 1}.ple"] = ple_layer_spec
+            specs[f"model.layers.{layer_id - 1}.ple"] = layer_spec(
+                ple_spec, MambaAttentionBackendEnum.SHORT_CONV, True)
     if num_spec:
         n_mtp = int(getattr(hf, "mtp_num_hidden_layers", None)
                     or getattr(hf, "num_nextn_predict_layers", None) or 1)
