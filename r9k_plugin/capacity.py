@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from r9k.page_layout import (  # the page layout's home; the planner sums its sizes
-    FLAG_WORD_BYTES, RECORD_SLOTS, flag_words, head_dims_reason, onepage_extra_dtypes,
-    record_row_elements)
+    FLAG_WORD_BYTES, RECORD_SLOTS, flag_words, head_dims_reason, mamba_groups_reason,
+    onepage_extra_dtypes, record_row_elements)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Attention block alignment in tokens: vLLM's GPU attention backends support any multiple of
@@ -656,9 +656,10 @@ def plan(shape: HybridModelShape, *, tp: int, num_spec: int, kv_bytes_per_rank: 
                 f"{pool.mode}: vLLM would not start: one request at max_model_len needs "
                 f"{pool.blocks_per_request} blocks, the pool holds {pool.num_blocks} (one is "
                 "vLLM's null block); lower --max-model-len or give more memory")
-    unservable = head_dims_reason(shape.linear_key_head_dim, shape.linear_value_head_dim)
+    unservable = (head_dims_reason(shape.linear_key_head_dim, shape.linear_value_head_dim)
+                  or mamba_groups_reason(shape.num_ple_layers, prefix_caching))
     if unservable:
-        notes.append(f"one-page cannot serve these GDN heads ({unservable}): the plugin keeps "
+        notes.append(f"one-page cannot serve this engine ({unservable}): the plugin keeps "
                      "stock pages; the one-page column is what it would hold")
     if num_spec == 0:
         notes.append("no speculative decoding: one-page pages equal stock pages")

@@ -41,6 +41,21 @@ def head_dims_reason(head_k_dim: int, head_v_dim: int) -> str | None:
     return None
 
 
+def mamba_groups_reason(num_ple_layers: int, prefix_caching: bool) -> str | None:
+    """Why one-page cannot serve a model whose other mamba layers keep stock's speculative
+    pages, or None. The one rule: the policy keeps stock pages for it, the planner notes it.
+
+    Qwen4Exp's PLE short conv is vLLM's layer and keeps 1 + k pages; one-page GDN groups keep 1.
+    Under prefix caching vLLM's V1 and V2 runners stop at start unless every mamba group keeps
+    the same speculative pages ("all mamba groups must share cache scheduling parameters", seen
+    on the CUDA engine); without it they run (and were token-identical to stock)."""
+    if num_ple_layers > 0 and prefix_caching:
+        return ("Qwen4Exp's PLE layers with prefix caching: vLLM's runners need every mamba "
+                "group to keep the same speculative pages and the PLE short conv keeps stock's "
+                "(one-page serves it with --no-enable-prefix-caching)")
+    return None
+
+
 def record_row_elements(num_k_heads: int, num_v_heads: int, head_k_dim: int,
                         head_v_dim: int) -> int:
     """Elements per record row (per TP rank): the post-conv k and v rows plus the a and b gate

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from r9k.page_layout import head_dims_reason
+from r9k.page_layout import head_dims_reason, mamba_groups_reason
 
 logger = logging.getLogger("vllm.r9k")
 
@@ -228,6 +228,11 @@ def onepage_reason(vllm_config: Any) -> str | None:
     arch = vllm_config.model_config.architecture
     if arch not in ONEPAGE_ARCHITECTURES:
         return f"architecture {arch} has no one-page page sizing registered"
+    reason = mamba_groups_reason(
+        len(getattr(vllm_config.model_config.hf_text_config, "ple_layer_ids", None) or ()),
+        vllm_config.cache_config.mamba_cache_mode == "align")
+    if reason:
+        return reason
     return unservable_shape_reason(vllm_config.model_config.hf_text_config,
                                    vllm_config.parallel_config.tensor_parallel_size)
 

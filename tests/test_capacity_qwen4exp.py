@@ -222,3 +222,20 @@ def test_readme_flash_next_section_is_the_planners_output():
         assert f"| {pinned[0]:,} -> {pinned[1]:,} |" in readme, tp
         assert (f"{p.stock.pinned_fraction:.1%} -> {p.onepage.pinned_fraction:.1%} |"
                 in readme), tp
+
+
+def test_planner_and_policy_agree_on_ple_layers_with_prefix_caching():
+    """One rule (page_layout.mamba_groups_reason): with prefix caching a Qwen4Exp model with
+    PLE layers keeps stock pages (vLLM's runners stop at start on mixed mamba groups), and the
+    planner says so, so a fleet sizes it by stock pages; without prefix caching one-page serves."""
+    for preset in ("flash-next", "qwen3.8-flash-next"):
+        on = cap.plan(cap.preset(preset), tp=4, num_spec=3, kv_bytes_per_rank=20 * GIB,
+                      max_model_len=65536, prefix_caching=True)
+        off = cap.plan(cap.preset(preset), tp=4, num_spec=3, kv_bytes_per_rank=20 * GIB,
+                       max_model_len=65536, prefix_caching=False)
+        assert "PLE layers with prefix caching" in on.onepage_unservable
+        assert any("one-page cannot serve this engine" in n for n in on.notes)
+        assert off.onepage_unservable is None
+    qwen35 = cap.plan(cap.preset("qwen3.5-27b"), tp=2, num_spec=3, kv_bytes_per_rank=20 * GIB,
+                      max_model_len=65536, prefix_caching=True)
+    assert qwen35.onepage_unservable is None

@@ -89,6 +89,16 @@ def test_onepage_decision_and_reasons(monkeypatch):
                             linear_num_key_heads=16, linear_num_value_heads=48)
     assert onepage_reason(_cfg(text=odd_v)) is None
     assert "do not split over TP 32" in onepage_reason(_cfg(tp=32))
+    # Qwen4Exp's PLE layers keep stock's speculative pages: with prefix caching vLLM's runners
+    # stop at start on mixed mamba groups, so stock pages; without it, one-page
+    ple = SimpleNamespace(**vars(_cfg().model_config.hf_text_config), ple_layer_ids=[2])
+    for arch in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"):
+        assert "PLE layers with prefix caching" in onepage_reason(
+            _cfg(arch=arch, text=ple, mode="align"))
+        assert onepage_reason(_cfg(arch=arch, text=ple)) is None
+        no_ple = SimpleNamespace(**vars(ple))
+        no_ple.ple_layer_ids = []
+        assert onepage_reason(_cfg(arch=arch, text=no_ple, mode="align")) is None
     monkeypatch.setenv("R9K_GDN_STATE", "stock")
     assert onepage_reason(_cfg()) == "R9K_GDN_STATE=stock"
 
