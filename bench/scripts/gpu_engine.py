@@ -630,7 +630,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
     out = [f"# GPU engine: stock vs one-page ({meta.get('device', '?')}, vLLM "
            f"{meta.get('vllm', '?')}, torch {meta.get('torch', '?')})", "",
-           f"Command: `{meta.get('command', '?')}`", "",
+           f"Command: `{meta.get('command', '?')}`", "", provenance_line(meta), "",
            "Cell: runner-graphs-prefix caching-k-SSM state-model. Pairs are stock / one-page; "
            f"with prefix caching the token ids, acceptance, hits and preemptions are "
            f"`{CONTROL}`'s (stock pages at one-page's block size) and KV is vLLM's default "
@@ -839,6 +839,15 @@ def plugin_source(repo: pathlib.Path) -> dict[str, Any]:
     return {"commit": git("rev-parse", "--short=12", "HEAD") or None,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def provenance_line(meta: dict[str, Any]) -> str:
+    """When a run ran and from which source, as its Markdown says it."""
+    src = meta.get("plugin_source")
+    if isinstance(src, dict):
+        src = f"plugin wheel from {src.get('commit')}{' (dirty tree)' if src.get('dirty') else ''}"
+    return (f"Ran {meta.get('date', 'on an unrecorded date')}; "
+            f"{src or meta.get('commit') or 'source commit not recorded'}.")
 
 
 def provenance(stage_dir: str | None) -> dict[str, Any]:

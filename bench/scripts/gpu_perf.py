@@ -66,7 +66,15 @@ ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERN
         "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"}),
         # one-page without the plugin's draft-model CUDA graph size (r9k.draft_graphs), as
         # before stop 37
-        "onepage-vllmgraphs": ("onepage", {"R9K_DRAFT_GRAPHS": "0"})}
+        "onepage-vllmgraphs": ("onepage", {"R9K_DRAFT_GRAPHS": "0"}),
+        # stock pages at one-page's attention block size (the planner's): with prefix caching
+        # vLLM cuts prefill chunks at block ends, so engines of different block sizes compute
+        # the same prompts in different splits and their token streams (and MTP acceptance)
+        # part ways; against this arm one-page runs the same tokens, and the ratio is the
+        # cost of a step (gpu_engine.py's identity control)
+        "stock-blk": ("stock", {})}
+# arms that run at one-page's attention block size
+ONEPAGE_BLOCK_ARMS = ("stock-blk",)
 ARM_VARIABLES = ("VLLM_GDN_DECODE_KERNEL", "R9K_GDN_INPLACE", "R9K_DRAFT_GRAPHS")
 PROFILE = {"name": "profile", "kind": "profile", "prompt_tokens": PROMPT_TOKENS,
            "max_tokens": 96, "warm_steps": 12, "steps": 16, "seed": 700}
@@ -120,7 +128,8 @@ def pool_bytes(model_path: pathlib.Path, k: int, prefix_caching: bool,
 def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix_caching: bool,
                autotune: str, timeout_s: float, workdir: pathlib.Path, util: float,
                scenarios: list[dict[str, Any]], max_model_len: int = MAX_MODEL_LEN,
-               eager: bool = False, max_num_seqs: int | None = None):
+               eager: bool = False, max_num_seqs: int | None = None,
+               block_size: int | None = None):
     from r9k.devtools.engine_runs import EngineSpec, run
 
     mode, arm_env = ARMS[arm]
@@ -136,6 +145,8 @@ def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix
             "gpu_memory_utilization": util, "disable_custom_all_reduce": True,
             "speculative_config": {"method": "mtp", "num_speculative_tokens": k,
                                    "attention_backend": "TRITON_ATTN"}})
+    if block_size:
+        spec.engine_kwargs["block_size"] = block_size
     res = run(spec, timeout_s=timeout_s, workdir=workdir)
     log = res.pop("log", "")
     # what vLLM said about CUDA graphs and compilation: the first thing to read on a slow step
@@ -145,6 +156,11 @@ def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix
     res["log_r9k_lines"] = ge.plugin_lines(log)
     res.pop("tokens", None)  # schedules differ between the modes: the ids are not compared here
     return res
+
+
+def arm_block_size(arm: str, planner: dict) -> int | None:
+    """The attention block size an arm sets (None: vLLM's choice for its page mode)."""
+    return planner["onepage"]["block"] if arm in ONEPAGE_BLOCK_ARMS else None
 
 
 def seqs_cap(choice: str, plan: dict) -> int | None:
@@ -220,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
             res = run_engine(mode, model, kv_bytes, args.k, not args.no_prefix_caching,
                              args.autotune, min(left, args.engine_timeout_s),
                              work / f"{mode}-{rep}", args.util, scenarios, args.max_model_len,
-                             args.eager, seqs_cap(args.max_num_seqs, planner[ARMS[mode][0]]))
+                             args.eager, seqs_cap(args.max_num_seqs, planner[ARMS[mode][0]]),
+                             arm_block_size(mode, planner))
             engines.append({"mode": mode, "repeat": rep, "ok": True, **res})
             log(f"END {mode} {rep}: start {res['engine_start_s']:.0f}s, kv {res['kv_cache_tokens']}, "
                 + ", ".join(f"c{v['concurrency']} {v['output_tok_per_s']:.0f} tok/s "
@@ -370,7 +387,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     pl = summary["planner"]
     out = [f"# GPU engine under load: stock vs one-page ({meta.get('device', '?')}, vLLM "
            f"{meta.get('vllm', '?')})", "",
-           f"Command: `{meta.get('command', '?')}`", "",
+           f"Command: `{meta.get('command', '?')}`", "", ge.provenance_line(meta), "",
            f"Model {meta['model']} ({', '.join(meta['model_sets'])}), MTP k = {meta['k']}, fp32 "
            f"state, prefix caching {'on' if meta['prefix_caching'] else 'off'}, max_model_len "
            f"{meta['max_model_len']}, prompts {meta['prompt_tokens']} tokens, "

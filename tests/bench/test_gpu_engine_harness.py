@@ -648,3 +648,7 @@ def test_results_carry_the_date_and_the_plugin_source_from_the_stage(ge, tmp_pat
     p = ge.provenance(str(stage))
     assert p["plugin_source"] == src and len(p["date"]) == 10
     assert ge.provenance(None)["plugin_source"] == "installed"
+    assert ge.provenance_line(p) == f"Ran {p['date']}; plugin wheel from {head}."
+    assert ge.provenance_line({"date": "2026-12-05", "commit": "8451c50"}) == \
+        "Ran 2026-12-05; 8451c50."
+    assert "Ran 2026-12-06; plugin wheel from" in ge.markdown([], dict(p, date="2026-12-06"))

@@ -296,3 +296,27 @@ def test_rank_heads_put_a_27b_ranks_gdn_heads_in_the_perf_model(gp):
     assert pages["tp1"] < pages["tp2"] < pages["tp4"]
     assert gp.perf_model_sets("num_hidden_layers=4,linear_num_value_heads=8", "tp4")[-2:] == [
         "linear_num_key_heads=4", "linear_num_value_heads=12"]
+
+
+def test_stock_at_onepages_block_size_arm(gp, tmp_path, monkeypatch):
+    """With prefix caching the engines' block sizes split prefills differently and their token
+    streams part ways: the stock-blk arm runs stock pages at one-page's (the planner's) block
+    size, so one-page/stock-blk compares the same tokens; other arms keep vLLM's choice."""
+    import r9k.devtools.engine_runs as er
+
+    planner = {"stock": {"block": 400, "whole_requests": 4},
+               "onepage": {"block": 416, "whole_requests": 7}}
+    assert gp.ARMS["stock-blk"] == ("stock", {})
+    assert [gp.arm_block_size(a, planner) for a in ("stock", "stock-blk", "onepage")] == \
+        [None, 416, None]
+    seen = {}
+
+    def fake_run(spec, timeout_s, workdir):
+        seen[spec.gdn_state, spec.engine_kwargs.get("block_size")] = True
+        return {"log": "", "tokens": {}}
+
+    monkeypatch.setattr(er, "run", fake_run)
+    for arm in ("stock", "stock-blk", "onepage"):
+        gp.run_engine(arm, tmp_path, 1 << 30, 3, True, "first", 10, tmp_path, 0.3, gp.loads((1,)),
+                      block_size=gp.arm_block_size(arm, planner))
+    assert set(seen) == {("stock", None), ("stock", 416), ("onepage", None)}
