@@ -412,12 +412,13 @@ def _run_profile(llm, sc) -> tuple[list[list[int]], dict[str, Any]]:
         step()
     kernels, runtime, host = {}, {}, {}
     for ev in prof.key_averages():
-        if not str(getattr(ev, "device_type", "")).endswith("CUDA"):
+        on_device = str(getattr(ev, "device_type", "")).endswith("CUDA")
+        if not on_device:
             host[ev.key] = {"count": ev.count, "us": getattr(ev, "self_cpu_time_total", 0)}
         dev_us = getattr(ev, "self_device_time_total", None)
         if dev_us is None:
             dev_us = getattr(ev, "self_cuda_time_total", 0)
-        if str(getattr(ev, "device_type", "")).endswith("CUDA") and dev_us > 0:
+        if on_device and dev_us > 0:
             kernels[ev.key] = {"count": ev.count, "us": dev_us}
         elif ev.key.startswith(RUNTIME_CALLS):
             # host-side launches: graph replays vs kernels launched one by one (what runs

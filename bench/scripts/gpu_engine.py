@@ -958,11 +958,10 @@ SHIMS = (FA_SHIM, MSA_WARMUP_SHIM, HC_DOWN_SILU_SHIM, HC_DOWN_SILU_WARMUP_SHIM)
 def apply_shims(site: pathlib.Path, log) -> None:
     for rel, old, new, what in SHIMS:
         path = site / rel
-        if rel != FA_SHIM[0] and not path.exists():
-            continue  # a model this release does not have
-        text = path.read_text()
-        if rel != FA_SHIM[0] and old.splitlines()[-1] not in text:
+        if rel != FA_SHIM[0] and (not path.exists()  # a model this release does not have
+                                  or old.splitlines()[-1] not in path.read_text()):
             continue  # not this release's code (keyed on the shim's most specific line)
+        text = path.read_text()
         if text.count(old) != 1:
             raise SystemExit(f"{rel}: the text the shim replaces is not there exactly once")
         path.write_text(text.replace(old, new))

@@ -144,9 +144,8 @@ def run_engine(arm: str, model_path: pathlib.Path, kv_bytes: int, k: int, prefix
             "attention_backend": "TRITON_ATTN", "gdn_prefill_backend": "triton",
             "gpu_memory_utilization": util, "disable_custom_all_reduce": True,
             "speculative_config": {"method": "mtp", "num_speculative_tokens": k,
-                                   "attention_backend": "TRITON_ATTN"}})
-    if block_size:
-        spec.engine_kwargs["block_size"] = block_size
+                                   "attention_backend": "TRITON_ATTN"},
+            **({"block_size": block_size} if block_size else {})})
     res = run(spec, timeout_s=timeout_s, workdir=workdir)
     log = res.pop("log", "")
     # what vLLM said about CUDA graphs and compilation: the first thing to read on a slow step
