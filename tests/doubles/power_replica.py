@@ -1,13 +1,14 @@
 """A replica double on one fixture card whose speed follows the card's power cap, and whose draw
-the card reports: tokens come at `tokens_per_s(cap)` per request, and while requests run the
-fixture's `power1_average` reads the cap (a card under load draws up to its cap), `idle_watts`
-otherwise. Serves /v1/models, streamed /v1/completions with usage, and /metrics with
-`vllm:generation_tokens_total`, as vLLM does. No engine."""
+the card reports: tokens come at `tokens_per_s(cap)` per request, and the fixture's
+`power1_average` reads the cap while requests run and for a quarter second after (a card under
+load draws up to its cap), `idle_watts` then. Serves /v1/models, streamed /v1/completions with
+usage, and /metrics with `vllm:generation_tokens_total`, as vLLM does. No engine."""
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -44,8 +45,13 @@ class PowerReplica:
         return self._last_cap_watts
 
     def _report_power(self) -> None:
+        busy_until_s = 0.0
         while not self._stop.wait(0.02):
-            watts = self.cap_watts() if self.active else self.idle_watts
+            # power1_average is an average (about a quarter second here): the moment between one
+            # request's end and the next one's start does not read as idle
+            if self.active:
+                busy_until_s = time.monotonic() + 0.25
+            watts = self.cap_watts() if time.monotonic() < busy_until_s else self.idle_watts
             tmp = self.hwmon_dir / f".power1_average.{id(self)}.tmp"  # two doubles may share a card
             tmp.write_text(f"{int(watts * 1e6)}\n")
             tmp.replace(self.hwmon_dir / "power1_average")
@@ -91,9 +97,14 @@ class PowerReplica:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.active += 1
+        loop = asyncio.get_running_loop()
+        due_s = loop.time()
         try:
             for _ in range(n):
-                await asyncio.sleep(1.0 / tokens_per_s(self.cap_watts()))
+                # paced to deadlines, not by sleeping a whole interval after each token: the time a
+                # busy test machine spends between tokens is caught up, so the speed is the cap's
+                due_s += 1.0 / tokens_per_s(self.cap_watts())
+                await asyncio.sleep(max(0.0, due_s - loop.time()))
                 self.generated += 1
                 await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x'}]})}\n\n"
                                  .encode())
