@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from doubles.entry_fleet import LoopServers, Table
-from r9k.deploy.entry import EntryPoint, HttpFraming, JsonDepth, MAX_JSON_DEPTH, serve
+from r9k.deploy.entry import EntryPoint, HttpFraming, JsonDepth, MAX_BODY_BYTES, MAX_JSON_DEPTH, serve
 from r9k.devtools.local_server import free_port
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -227,6 +227,51 @@ def test_a_body_over_the_limit_is_413_and_the_connection_closes(entry_on):
     assert s.recv(4096).startswith(b"HTTP/1.1 413")
     s.close()
 
+
+
+def _body_of(size: int) -> bytes:
+    head, tail = b'{"model": "not-served", "prompt": "', b'"}'
+    return head + b"a" * (size - len(head) - len(tail)) + tail
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("over", [0, 1], ids=["at-the-limit", "one-byte-over"])
+def test_the_body_limit_is_64_mib_exactly_declared_or_streamed(entry_on, chunked, over):
+    """A body of MAX_BODY_BYTES is read whole (the model is not served: 404); one byte more is
+    413 and the connection closes, whether its length was declared or it came chunked (no
+    length: counted as it arrives)."""
+    assert MAX_BODY_BYTES == 64 << 20
+    _, port = entry_on()
+    body = _body_of(MAX_BODY_BYTES + over)
+    assert len(body) == (64 << 20) + over
+    s = _connect(port, "127.0.0.2", timeout_s=60)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n" \
+           b"Content-Type: application/json\r\n"
+    if chunked:
+        piece = 1 << 20
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + piece]), body[i:i + piece])
+                          for i in range(0, len(body), piece))
+        request = head + b"Transfer-Encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n"
+    else:
+        request = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+    def send():
+        try:
+            s.sendall(request)
+        except OSError:  # refused early: the server closed while the body was still coming
+            pass
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    reply = s.recv(4096)
+    sender.join(60)
+    if over:
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        while piece := s.recv(4096):  # the rest of the answer, then the close
+            reply += piece
+        assert b"expected at most 67108864 bytes" in reply
+    else:
+        assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
+    s.close()
 
 # ---- the framing the deadline follows, over any requests cut at any points ----
 
