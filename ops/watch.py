@@ -13,8 +13,9 @@ Provenance: kmsg facility 0 and the journal's ``_TRANSPORT=kernel`` prove a reco
 kernel's; a syslog file's ``kernel:`` tag does not (``logger -t kernel`` writes the same line).
 Events from such lines are reported, not counted or acted on, unless the tag is trusted.
 
-Containment: a fault fences its card first (state written), then the hooks run in their own threads,
-once per change of a card from healthy to unhealthy, each with the configured timeout.
+Containment (decided by the pure core `r9k.ops.containment`): a fault fences its card first (state
+written), then the hooks run in their own threads, once per change of a card from healthy to
+unhealthy, each with the configured timeout.
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ from typing import IO, Any, Callable, Iterator
 
 from r9k.ops import sysfs
 from r9k.ops.config import HOOK_CWD, hook_problem
+from r9k.ops.containment import Containment
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
-    DEFAULT_FAULT_EVENTS, LastEvent, atomic_write_json, beat, cap_message, read_card_states,
-    record_host_event, update_card_state,
+    DEFAULT_FAULT_EVENTS, atomic_write_json, beat, cap_message, read_card_states, record_host_event,
+    update_card_state,
 )
 
 CURSOR_FILE = "watch-cursor.json"
@@ -509,23 +511,21 @@ class Watcher:
         self.state_dir = state_dir
         self.hooks = hooks or []
         self.hook_timeout_s = hook_timeout_s
-        self.fault_events = set(fault_events)
         self.on_event = on_event
         self.on_hook = on_hook
-        self.boot = sysfs.boot_id(host_root)
         self.hook_runs: list[HookRun] = []
         self._hook_threads: list[threading.Thread] = []
         self._hook_lock = threading.Lock()
         states = read_card_states(state_dir) if state_dir else {}
         self.classifier = Classifier(last_types={b: s.last_event.type for b, s in states.items() if s.last_event})
-        # When the state dir stops taking writes (full, remounted read-only), faults are still
-        # contained from memory: each event counted once, each card fenced (hooks) once.
-        self._unsaved_seen: set[tuple] = set()
+        # every decision (new? fault? fenced now? hooks?) is the pure core's; when the state dir
+        # stops taking writes (full, remounted read-only), it contains faults from memory
+        self.containment = Containment(fault_events, sysfs.boot_id(host_root),
+                                       fenced=[b for b, st in states.items() if not st.healthy])
         # events the state dir did not take, tried again at every poll; until all are saved the
         # log position saved stays before the first of them, so a restart reads it again
         self._unsaved_events: list[tuple[KernelEvent, bool]] = []
         self._pinned_position: dict[str, Any] | None = None
-        self._fenced = {b for b, st in states.items() if not st.healthy}
         self.cursor_error: str | None = None
         # the log position last written: an idle poll (nothing read) writes nothing durable
         self._saved_position = load_cursors(state_dir).get(source.key) if state_dir else None
@@ -537,9 +537,7 @@ class Watcher:
         self._syslog_warned = False
 
     def is_fault(self, event: KernelEvent) -> bool:
-        if event.type == "ring_timeout" and event.detail.get("soft_recovered"):
-            return False
-        return event.type in self.fault_events
+        return self.containment.is_fault(event)
 
     def poll(self, final: bool = False) -> list[Seen]:
         seen = []
@@ -588,7 +586,7 @@ class Watcher:
                                       event.record_id, on_corrupt=self.on_warning)
                 except OSError:
                     left.append((event, fault))
-            elif self._count_for_card(event, fault, hooks=False).unsaved:
+            elif self._count_for_card(event, fault, retry=True).unsaved:
                 left.append((event, fault))
         self._unsaved_events = left
         if not left:
@@ -628,7 +626,7 @@ class Watcher:
                                         event.ordinal, event.record_id, on_corrupt=self.on_warning)
                 item = Seen(event, new=new, fault=fault, host=True)
             except OSError as exc:
-                item = Seen(event, new=self._first_unsaved(event), fault=fault, host=True,
+                item = Seen(event, new=self.containment.first_unsaved(event), fault=fault, host=True,
                             unsaved=self._unsaved(exc))
         else:
             item = self._count_for_card(event, fault)
@@ -636,26 +634,14 @@ class Watcher:
             self.on_event(item)
         return item
 
-    def _count_for_card(self, event: KernelEvent, fault: bool, hooks: bool = True) -> Seen:
-        new = fenced_now = False
+    def _count_for_card(self, event: KernelEvent, fault: bool, retry: bool = False) -> Seen:
+        """Count ``event`` on its card's stored state (the core decides, the state dir keeps it);
+        ``retry``: an event contained from memory before, now saved (its hooks ran then)."""
+        counted = None
 
         def change(state):
-            nonlocal new, fenced_now
-            if state.seen(event.stream, event.ordinal, event.record_id):
-                return
-            new = True
-            message = cap_message(event.message)
-            state.counts[event.type] = state.counts.get(event.type, 0) + 1
-            state.last_event = LastEvent(event.type, message, time.time(), dict(event.detail))
-            state.mark_seen(event.stream, event.ordinal, event.record_id)
-            if fault and state.healthy:
-                fenced_now = True
-                state.healthy = False
-                state.unhealthy_reason = f"{event.type}: {message}"
-                state.unhealthy_since = time.time()
-                state.unhealthy_boot_id = self.boot
-            elif fault:
-                state.unhealthy_boot_id = self.boot
+            nonlocal counted
+            counted = self.containment.count(state, event, fault, time.time())
 
         # A corrupt state file is kept aside and the card starts unhealthy: never lose the fault.
         unsaved = None
@@ -663,19 +649,10 @@ class Watcher:
             update_card_state(self.state_dir, event.bdf, change, replace_corrupt=True)
         except OSError as exc:
             unsaved = self._unsaved(exc)
-            new = self._first_unsaved(event)
-            fenced_now = fault and new and event.bdf not in self._fenced
-        if fenced_now and hooks:
-            self._fenced.add(event.bdf)
-            if self.hooks:
-                self._start_hooks(event)
-        return Seen(event, new=new, fault=fault, fenced_now=fenced_now, unsaved=unsaved)
-
-    def _first_unsaved(self, event: KernelEvent) -> bool:
-        key = (event.stream, event.ordinal, event.record_id)
-        new = key not in self._unsaved_seen
-        self._unsaved_seen.add(key)
-        return new
+            counted = self.containment.count_unsaved(event, fault)
+        if self.containment.hooks_due(event, counted, retry=retry) and self.hooks:
+            self._start_hooks(event)
+        return Seen(event, new=counted.new, fault=fault, fenced_now=counted.fenced_now, unsaved=unsaved)
 
     def _unsaved(self, exc: OSError) -> str:
         return f"not saved to {self.state_dir}: {exc.strerror or exc}"
