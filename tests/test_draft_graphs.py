@@ -3,7 +3,7 @@
 vLLM's own `VllmConfig._set_cudagraph_sizes` (the installed 0.32 source) runs here on a config
 double; what it computes is what a GPU engine captures (the V2 runner's draft decode graphs take
 the sizes up to max_num_seqs). The speed-up itself is measured on the GPU engine
-(bench/results/gpu_perf_h200_stop37.md)."""
+(bench/results/gpu_perf_draft_graphs_k3_summary_h200.md)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
