@@ -281,7 +281,7 @@ def test_following_a_growing_log(tmp_path):
 
 
 def test_journal_resumes_after_its_cursor(tmp_path):
-    # no -k: it implies -b, which would skip the previous boot's unread tail (issue 25 item 11)
+    # no -k: it implies -b, which would skip the previous boot's unread tail
     assert journal_argv("/", True, "s=abc;i=1") == ["journalctl", "_TRANSPORT=kernel", "-o", "json",
                                                      "--no-pager", "--after-cursor=s=abc;i=1", "-f"]
     assert journal_argv(tmp_path, False, None)[-3:] == ["--root", str(tmp_path), "-b"]
