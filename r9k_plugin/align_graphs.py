@@ -2,8 +2,8 @@
 
 vLLM launches its two align copy kernels every step outside its own CUDA graphs; stock is one
 launch each, one-page a few dozen (the fused replay per one-page layer), most steps with nothing
-to copy. Launched from Python that is host time per step (stop 30 measured one-page's TPOT at
-6x stock's on a 24-GDN-layer model); replayed as one graph it is one launch.
+to copy. Launched from Python that is host time per step (one-page's TPOT measured 6x stock's
+on a 24-GDN-layer model); replayed as one graph it is one launch.
 
 A launch is named by its key (which kernel, grid, batch size, the scalars, every tensor
 argument's address, shape, stride and dtype): a graph replays the same kernels with the same

@@ -17,7 +17,7 @@ GDN_STATE_ENV = "R9K_GDN_STATE"
 GDN_STATE_MODES = ("onepage", "stock")
 GDN_STEP_ENV = "R9K_GDN_STEP"  # the one-page verify step on GPUs: fused (default) | composed
 # GPU spec steps read q, k, v in place from the conv output and write outputs in place: "1"
-# (default) | "0" (through vLLM's copies, as before stop 35: for side-by-side measurement)
+# (default) | "0" (through vLLM's copies: for side-by-side measurement)
 GDN_INPLACE_ENV = "R9K_GDN_INPLACE"
 VLLM_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"  # vLLM's spec decode choice, default "cuda"
 # One-page on a release whose adapter exists but is not yet proven on its GPU engine, or on a
@@ -171,7 +171,7 @@ def draft_capture_sizes(sizes: list[int], max_num_seqs: int, num_spec: int,
     request, so only with k >= 2) as FULL graphs at the capture sizes up to max_num_seqs, and
     its default sizes are 1, 2, 4 and multiples of 8: with max_num_seqs 5-7 (the planner's
     whole requests, one-page's 7 on the perf model) every batch above 4 ran those steps
-    eagerly, host-bound (H200, stop 37: one-page's steps 2.1x stock's at 1.7x the requests).
+    eagerly, host-bound (measured on an H200: one-page's steps 2.1x stock's at 1.7x the requests).
     A size past vLLM's largest would change its capture ceiling: left alone."""
     if num_spec < 2 or not sizes or max_num_seqs in sizes or max_num_seqs > max_capture_size:
         return None

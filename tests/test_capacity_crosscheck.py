@@ -184,7 +184,7 @@ def test_planner_equals_each_release_accounting(version):
     """The same 720 configurations against vLLM 0.33's and 0.34's accounting (0.33 moved it to
     `kv_cache_planning`; 0.34 renamed the QSA caches and added state alignment). A layer that
     exports FlashInfer prefill checkpoints (0.33+, CUDA, prefix caching) adds a page and aligns
-    blocks to 64 tokens: no layer here does (what one-page does there is open, issue 28)."""
+    blocks to 64 tokens: no layer here does (what one-page does there is not yet run on an engine)."""
     root = staged(version)
     path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, R9K_CROSSCHECK_VLLM=str(root / "vllm"),

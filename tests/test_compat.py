@@ -34,7 +34,7 @@ def _self_attrs(fn: ast.FunctionDef, ctx) -> set[str]:
 
 def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkeypatch):
     """The gate for a release whose adapter the GPU engine has not proven (none today: 0.33 and
-    0.34 were proven on the H200 in stop 33; a new release's adapter starts unproven)."""
+    0.34 are proven on the H200; a new release's adapter starts unproven)."""
     import dataclasses
 
     monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)

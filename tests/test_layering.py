@@ -1,9 +1,8 @@
-"""Issue 27 item 6: the one-way layering as import-linter contracts (pyproject.toml's
-[tool.importlinter]): the plugin imports none of deploy/ops/monitoring/bench/devtools and
-neither click nor Ray; bench over devtools over deploy and monitoring (which do not import each
-other) over ops. r9k's subpackages live in folders of their own (pyproject's package-dir), which
-import-linter's graph builder does not follow, so the test lays the package out as it installs:
-one `r9k` tree of links."""
+"""The one-way layering as import-linter contracts (pyproject.toml's [tool.importlinter]): the
+plugin imports none of deploy/ops/monitoring/bench/devtools and neither click nor Ray; bench over
+devtools over deploy and monitoring (which do not import each other) over ops. r9k's subpackages
+live in folders of their own (pyproject's package-dir), which import-linter's graph builder does
+not follow, so the test lays the package out as it installs: one `r9k` tree of links."""
 import os
 import shutil
 import subprocess

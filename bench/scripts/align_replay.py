@@ -1,10 +1,11 @@
-"""Host cost of prefix caching's one-page copies per step, before and after issue 26, on a GPU.
+"""Host cost per step of prefix caching's one-page copies, with and without a replay plan, on a GPU.
 
 vLLM calls its two align copy kernels every step outside its CUDA graphs; with one-page pages
 the plugin replays each one-page layer there. This times one call's replay over L layers in G
 groups (the perf model: 24 GDN layers in 3 groups), N requests, side by side in one run:
-- `before`: stop 30's path, per layer: pair filtering, three page-copy launches, the fused
-  kernel with its layout checks and config, a flag gather / where / scatter (reproduced here);
+- `before`: the per-layer path without a replay plan: pair filtering, three page-copy
+  launches, the fused kernel with its layout checks and config, a flag gather / where /
+  scatter (reproduced here);
 - `plan_eager`: `ReplayPlan.replay` (one word-copy launch, the fused kernel per layer, one
   flag-clear launch), launched from Python;
 - `plan_graph`: the same captured once in a CUDA graph and replayed (what `r9k.align_graphs`
@@ -54,7 +55,7 @@ def _before_copy_kernel(src_pages_ptr, dst_pages_ptr, base_ptr, page_stride, pag
 
 
 def before_replay_into(layer: ReplayLayer, src_pages, dst_pages, num_rows) -> None:
-    """Stop 30's `onepage_replay_into` for one layer, launch for launch."""
+    """The per-layer `onepage_replay_into` (no replay plan) for one layer, launch for launch."""
     n = src_pages.numel()
     valid = (src_pages > 0) & (dst_pages > 0)
     src = torch.where(valid, src_pages, 0).to(torch.int32)
@@ -68,7 +69,7 @@ def before_replay_into(layer: ReplayLayer, src_pages, dst_pages, num_rows) -> No
     HV, V, K = layer.ssm_state.shape[1:]
     dev, dt = layer.ssm_state.device, layer.record.dtype
     none = torch.empty((0, layer.num_k_heads, K), dtype=dt, device=dev)
-    _configs.clear()  # stop 30 checked the layout and built the config on every call
+    _configs.clear()  # the per-layer path checks the layout and builds the config on every call
     onepage_fused_step(
         q=none, k=none, v=torch.empty((0, HV, V), dtype=dt, device=dev),
         a=torch.empty((0, HV), dtype=dt, device=dev), b=torch.empty((0, HV), dtype=dt, device=dev),

@@ -190,7 +190,7 @@ def _parts_patched(timer: _PartTimer):
 
 @contextmanager
 def _generic_state_machine():
-    """The one-page step as it ran before issue 14: the generic state machine
+    """The one-page step without the fused verify op: the generic state machine
     (replay_accepted_rows, VllmCpuOps.verify, write_record) and vLLM's per-sequence conv loop."""
     from r9k import gdn_cpu
     from r9k.kernels import cpu as kcpu
@@ -291,8 +291,8 @@ def to_markdown(result) -> str:
              "second pass with timers around the functions (wrapper overhead included).", ""]
     sides = [("onepage", "one-page")]
     if has_generic:
-        sides.append(("onepage_generic", "one-page, generic state machine (the path before "
-                      "issue 14)"))
+        sides.append(("onepage_generic", "one-page, generic state machine (without the fused "
+                      "verify op)"))
     for key, title in sides:
         lines += [f"## {title}", "",
                   "| shape | N | k | stock (its op) | one-page | one-page / stock | "

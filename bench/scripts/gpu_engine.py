@@ -176,7 +176,7 @@ AGAIN = "again"
 # That does not reach Inductor, which compiles the FULL_AND_PIECEWISE engines: it times reduction
 # configs (RBLOCK, num_warps: the summation order) on the device, and vLLM adds max-autotune and
 # coordinate descent for single-size ranges. Two engines compiling at once on a shared GPU (the
-# matrix's waves) can keep different ones: stop 38's flaky cell had stock-blk and one-page each
+# matrix's waves) can keep different ones: a flaky H200 cell had stock-blk and one-page each
 # compile and save the same artifact in one wave (ids differed), then both load it alone (equal).
 # `pinned` also turns Inductor's on-device choices off. Not the default until a GPU run shows it
 # compiles: torch's deterministic mode raises on benchmarking it has not vetted.
@@ -550,7 +550,7 @@ def compare_cell(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     (("stock", stock), ("onepage", onepage), (CONTROL, ref))},
         gpu_s={m: r["wall_s"] for m, r in runs.items()},
         # engines that compiled their own Inductor kernels may keep other configs when they
-        # compile at once (stop 38): which did
+        # compile at once: which did
         inductor={m: r.get("inductor") for m, r in runs.items()})
     # prefix caching on: hits (and in the small pool preemption) in both engines compared
     row["pool"] = onepage.get("pool", "small")
@@ -774,7 +774,7 @@ def carried_bytes(repo: pathlib.Path, stage_dir: pathlib.Path) -> int:
 
 def check_carry(dest: pathlib.Path, repo: pathlib.Path = REPO) -> str:
     """The stage and the checkout together against the carry limit: a clear stop on the build
-    machine, not a GPU call that starts engines without a wheel (stop 35 lost one so)."""
+    machine, not a GPU call lost to engines that start without a wheel."""
     stage_b = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     tree_b = carried_bytes(repo, dest)
     line = (f"{dest}: {stage_b / MIB:.1f} MiB, with the checkout's {tree_b / MIB:.1f} MiB "
@@ -975,7 +975,7 @@ def setup_site(stage_dir: pathlib.Path, site: pathlib.Path, log) -> None:
 
     shutil.rmtree(site, ignore_errors=True)
     site.mkdir(parents=True)
-    wheels = [stage_dir]  # stage dirs before stop 36 hold the wheels as files
+    wheels = [stage_dir]  # older stage dirs hold the wheels as files, without wheels.tar.xz
     if (stage_dir / "wheels.tar.xz").exists():
         unpacked = site.parent / (site.name + "-wheels")
         shutil.rmtree(unpacked, ignore_errors=True)
@@ -1064,8 +1064,8 @@ def versions() -> dict[str, str]:
 
 def resumable(runs: list[dict[str, Any]], pool: str, autotune: str, max_num_seqs: int
               ) -> list[dict[str, Any]]:
-    """The engines of an earlier run a resumed run keeps: ok and of its settings (runs before
-    stop 38 recorded no max_num_seqs: 8; a run that recorded no autotune: first)."""
+    """The engines of an earlier run a resumed run keeps: ok and of its settings (a run that
+    recorded no max_num_seqs ran 8; a run that recorded no autotune: first)."""
     return [r for r in runs if r["ok"] and r.get("pool") == pool
             and r.get("autotune", "first") == autotune
             and r.get("max_num_seqs", MAX_NUM_SEQS) == max_num_seqs]

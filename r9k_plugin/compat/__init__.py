@@ -43,10 +43,10 @@ ADAPTERS = {
     # 0.33: the align kernels and the V2 sharing test are 0.32's (mamba_utils.py byte-identical)
     "0.33": Adapter("0.33", align_kernels.V032, metadata_sharing.v032, layer_init.KWARGS_032,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_032,
-                    cpu_layer.V033, proven=True),  # H200, stop 33: 5 V2 cells
+                    cpu_layer.V033, proven=True),  # proven on an H200: 5 V2 cells
     "0.34": Adapter("0.34", align_kernels.V034, metadata_sharing.v034, layer_init.KWARGS_034,
                     layer_init.no_prefill_checkpoints_033, model_modules.MODULES_034,
-                    cpu_layer.V034, proven=True),  # H200, stop 33: 5 cells
+                    cpu_layer.V034, proven=True),  # proven on an H200: 5 cells
 }
 
 

@@ -11,7 +11,7 @@
   A one-page layer opts out (`_checkpoint_alignment = None`, what vLLM's own non-exporting
   layers report); one layer without it turns checkpoints off for the model, so vLLM should
   split prefills at block boundaries as 0.32 did and keep the planner's pages. Intended, not
-  yet run on a 0.33 engine (issue 28)."""
+  yet run on a 0.33 engine."""
 from __future__ import annotations
 
 KWARGS_032: tuple[str, ...] = ()

@@ -305,8 +305,8 @@ def test_the_stage_is_held_to_the_carry_limit_with_the_checkout(ge, tmp_path, mo
 
 def test_a_plugin_wheel_that_fails_to_build_keeps_the_old_one(ge, tmp_path, monkeypatch):
     """`stage --plugin-only` swaps the plugin's wheel in only once the new one built; a stage
-    without one stops the GPU run before any engine starts (stop 35 lost a call to a stage
-    missing a wheel)."""
+    without one stops the GPU run before any engine starts (a stage missing a wheel would
+    waste a GPU call)."""
     dest = tmp_path / "stage"
     (dest / "whl").mkdir(parents=True)
     old = dest / "whl" / "r9700_stack-0.1.0-py3-none-any.whl"
@@ -394,7 +394,7 @@ def test_resume_keeps_only_engines_of_the_same_settings(ge, tmp_path):
         ge.main(["run", "--stage", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--copies", "2", "--resume", str(tmp_path / "r.json")])
     assert not (tmp_path / "o").exists()
-    runs = [{"ok": True, "mode": "stock", "pool": "forced"},  # before stop 38: first, 8
+    runs = [{"ok": True, "mode": "stock", "pool": "forced"},  # no settings recorded: first, 8
             {"ok": True, "mode": "onepage", "pool": "forced", "autotune": "first",
              "max_num_seqs": 7},
             {"ok": True, "mode": "stock-blk", "pool": "forced", "autotune": "pinned",

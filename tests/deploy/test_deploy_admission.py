@@ -1,7 +1,8 @@
-"""Admission by the planner (issue 26, "never more preemptions"): a model's `max_num_seqs:
-planner` launches each replica with `--max-num-seqs` = the whole requests of max_model_len its
-pool holds in its own page mode (`capacity.PoolPlan.whole_requests`); counts and vLLM's default
-stay as they were; bad values and a second spelling are refused."""
+"""Admission by the planner (no more requests running than the pool holds whole, so none is
+preempted): a model's `max_num_seqs: planner` launches each replica with `--max-num-seqs` = the
+whole requests of max_model_len its pool holds in its own page mode
+(`capacity.PoolPlan.whole_requests`); counts and vLLM's default stay as they were; bad values
+and a second spelling are refused."""
 from __future__ import annotations
 
 import json

@@ -178,7 +178,7 @@ def no_controller(monkeypatch):
 
 @pytest.mark.parametrize("value", [None, "", "  "])
 def test_configured_api_key_that_cannot_be_read_stops_fleet_up(tmp_path, monkeypatch, no_controller, value):
-    """Item 1: api_key_env set but the variable missing or empty: exit 2, one line, nothing started."""
+    """api_key_env set but the variable missing or empty: exit 2, one line, nothing started."""
     monkeypatch.delenv("R9K_TEST_FLEET_KEY", raising=False)
     if value is not None:
         monkeypatch.setenv("R9K_TEST_FLEET_KEY", value)
@@ -194,7 +194,7 @@ def test_configured_api_key_that_cannot_be_read_stops_fleet_up(tmp_path, monkeyp
 
 
 def test_entry_beyond_loopback_needs_a_key_or_an_explicit_opt_in(tmp_path, monkeypatch, no_controller):
-    """Item 1: 0.0.0.0 without api_key_env is refused unless allow_unauthenticated, which warns."""
+    """0.0.0.0 without api_key_env is refused unless allow_unauthenticated, which warns."""
     msg = refused(fleet_text(entry={"host": "0.0.0.0", "port": 8000}))
     assert "entry.host 0.0.0.0" in msg and "allow_unauthenticated" in msg
     assert parse_fleet(fleet_text(entry={"host": "::1", "port": 8000})).api_key() is None  # loopback: fine

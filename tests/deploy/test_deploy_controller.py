@@ -191,7 +191,7 @@ def test_launch_then_one_metrics_read_proves_onepage_and_makes_ready(fleet):
 
 
 def test_fleet_status_is_one_typed_model_that_monitoring_reads(fleet):
-    """Issue 25 item 13: the controller builds r9k.fleet_status.FleetStatus (no plain dict), the
+    """The controller builds r9k.fleet_status.FleetStatus (no plain dict), the
     entry point serves its JSON, and the exporter validates the same model back to equal."""
     import json
 
@@ -380,10 +380,10 @@ def test_a_restarted_controller_adopts_what_it_would_launch_and_releases_the_res
         assert ray.calls == [] and c.placed == []  # no start, no placement
 
 
-def test_item13_a_ready_replica_answering_html_on_metrics_does_not_break_the_probe(fleet):
-    """Issue 25 item 13: /metrics answering a web page (a proxy's error page, say) is 'metrics
-    unreadable this time' for a READY replica; the probe goes on (before: ValueError out of it,
-    so the replica was never judged and stayed routed)."""
+def test_a_ready_replica_answering_html_on_metrics_does_not_break_the_probe(fleet):
+    """/metrics answering a web page (a proxy's error page, say) is 'metrics unreadable this
+    time' for a READY replica; the probe goes on (a ValueError out of it would leave the replica
+    never judged and still routed)."""
     c, r = fleet
 
     async def scenario():

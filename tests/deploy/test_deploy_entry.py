@@ -173,9 +173,9 @@ def _metrics_text(url: str, timeout_s: float = 30.0) -> str:
 
 
 def test_fleet_exporter_is_supervised_replicas_only_and_off_the_host_exporters_port(tmp_path):
-    """Item 16: the exporter `fleet up` starts was never restarted when it died and took port 9700,
-    the port of the host exporter the README starts; now it runs replicas-only on 9701 and the
-    controller restarts it (with backoff) and reports it in /fleet/status."""
+    """The exporter `fleet up` starts runs replicas-only on 9701, off port 9700 (the host
+    exporter's, which the README starts); the controller restarts it when it dies (with backoff)
+    and reports it in /fleet/status."""
     import os
     import signal
 
@@ -234,8 +234,8 @@ def test_fleet_exporter_is_supervised_replicas_only_and_off_the_host_exporters_p
 
 
 def test_fleet_check_validates_without_writing_anything(tmp_path, monkeypatch):
-    """Item 16: `fleet check` is validate-only: no model generated into ~/.cache, no run dir, no
-    ops state dir (already so since the fleet stopped generating models; kept as a guard)."""
+    """`fleet check` is validate-only: no model generated into ~/.cache, no run dir, no
+    ops state dir."""
     from r9k.devtools.tiny_model import build_config
 
     home = tmp_path / "home"

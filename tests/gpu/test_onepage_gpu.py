@@ -64,7 +64,7 @@ def test_no_prefetch_variant_bit_identical(shape, state, num_seqs):
          state_dtype=DTYPES[state], seed=num_seqs + 1)
 
 
-# kernel variants measured for issue 16 (bench/scripts/gdn_kernel.py VARIANTS), each protocol
+# kernel variants bench/scripts/gdn_kernel.py measures (its VARIANTS), each protocol
 # piece alone: a variant may ship only with these passing on the GPU. (`pipe`, one row's
 # normalization computed a row ahead, was removed: not bit-identical on sm_90 in fp32,
 # bench/results/gdn_kernel_h200_flashnext_variants_k3.md)

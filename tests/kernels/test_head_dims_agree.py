@@ -1,8 +1,8 @@
-"""Issue 27 item 2: one rule for the GDN head dims one-page serves (r9k.page_layout), read by the
-policy (stock pages at start), the kernel launch (refused) and the planner (noted), checked to
-agree over a grid. Before, the policy accepted key dim 192, which the kernel refused at its first
-step (an engine that started one-page and failed serving), and refused value dim 16, which the
-kernel and the planner serve."""
+"""One rule for the GDN head dims one-page serves (r9k.page_layout), read by the policy (stock
+pages at start), the kernel launch (refused) and the planner (noted), checked to agree over a
+grid. Where they disagree, the policy accepts a dim the kernel refuses at its first step (key
+dim 192: an engine that starts one-page and fails serving) or refuses one the kernel and the
+planner serve (value dim 16)."""
 import json
 import os
 import subprocess

@@ -24,7 +24,7 @@ S = 8
                          [("fp32", measured(prefetch=0)), ("bf16", measured(prefetch=0)),
                           # as shipped (own flag pairs): the package's kernel
                           ("fp32", None), ("bf16", None),
-                          # the count-in protocols, and measured variants (issue 16):
+                          # the count-in protocols, and measured variants (gdn_kernel.py):
                           # they must build for the R9700 too
                           ("fp32", measured(**DEP_ORDERED)), ("bf16", measured()),
                           ("bf16", measured(late=True, rows_end=True)),
@@ -43,7 +43,7 @@ def test_fused_and_stock_build_for_gfx1201_wave32(state_ty, variant):
     assert fused.metadata.shared <= 64 * 1024  # fits RDNA4's LDS
 
 
-# Flash-Next at TP2 per rank, k = 3 (issue 16): where the kernel's occupancy was measured
+# Flash-Next at TP2 per rank, k = 3: where the kernel's occupancy was measured
 _FLASH_NEXT_TP2 = dict(num_k_heads=8, num_v_heads=16, head_k_dim=128, head_v_dim=128)
 
 
@@ -57,7 +57,7 @@ def test_programs_per_sm_follows_the_register_file():
 @pytest.mark.parametrize("state_ty", ["bf16", "fp32"])
 def test_waves_per_eu_cap_reaches_stock_occupancy_on_gfx1201(state_ty):
     """On the R9700 the shipped fused kernel holds fewer waves per SIMD than stock (more live
-    registers); the capped variant measured for issue 16 holds as many, without spilling."""
+    registers); the capped variant gdn_kernel.py measures holds as many, without spilling."""
     from r9k.bench.kernel_static import hip_facts
 
     heads = GdnHeads(**_FLASH_NEXT_TP2)

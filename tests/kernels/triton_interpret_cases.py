@@ -30,7 +30,7 @@ CASES = [
          null_pages=1, layers=2, seed=4),
     dict(num_seqs=2, num_spec=3, steps=3, lockstep_copies=True, seed=5),
 ]
-# the fused kernel's measured variants (issue 16: prefetch modes, the late count-in, record
+# the fused kernel's measured variants (gdn_kernel.py: prefetch modes, the late count-in, record
 # rows from the verify loop, loads beside the flag read, record tiles stored last, the fenced
 # protocol on bf16) on one case: kept bit-identical too
 VARIANT_CASE = dict(num_seqs=3, num_spec=7, steps=4, state_dtype=torch.bfloat16, row_map=True,

@@ -263,7 +263,7 @@ def test_fleet_status_gives_replicas_and_states(tiny_model_dir):
 
 
 def test_forty_hung_replicas_cost_neither_the_scrape_timeout_nor_the_card_metrics(host):
-    """Item 14: the replica phase has its own deadline; unanswered replicas read up=0."""
+    """The replica phase has its own deadline; unanswered replicas read up=0."""
     root, state, config = host
     with HungReplicas(40) as hung, FakeReplica(model_name="tiny", running=1) as alive:
         descs = [ReplicaDescription(name=f"hung-{i}", url=u) for i, u in enumerate(hung.urls)]
@@ -340,7 +340,7 @@ def _exporter_process(*args: str):
 
 
 def test_exporter_listens_on_loopback_unless_told_otherwise(host):
-    """Item 2: the default bind is 127.0.0.1 (it was 0.0.0.0); a wider bind without TLS/auth warns."""
+    """The default bind is 127.0.0.1; a wider bind without TLS/auth warns."""
     root, state, config = host
     common = ["--host-root", str(root), "--state-dir", str(state), "--config", str(config)]
     proc = _exporter_process(*common)
@@ -398,7 +398,7 @@ def tls_files(tmp_path):
 
 
 def test_web_config_file_gives_tls_and_basic_auth(host, tls_files):
-    """Item 2: node_exporter's web config: TLS with the given certificate, 401 without the user."""
+    """node_exporter's web config: TLS with the given certificate, 401 without the user."""
     import base64
     import ssl
     import urllib.error
@@ -454,8 +454,8 @@ def test_bad_web_config_file_is_refused_in_one_line(host, tmp_path, text, needle
 
 
 def test_refused_ops_config_leaves_drift_unknown_and_says_so(host, tmp_path):
-    """Item 9: a refused config exported drift 0 for every card; now drift is absent (unknown),
-    r9k_ops_config_valid is 0 and the failure is counted; actual values are still exported."""
+    """A refused config leaves drift absent (unknown, not 0 for every card), r9k_ops_config_valid
+    is 0 and the failure is counted; actual values are still exported."""
     root, state, config = host
     s = scrape(build_registry(build_collector(root, state, config)))
     assert val(s, "r9k_ops_config_valid") == 1.0 and val(s, "r9k_gpu_config_drift", bdf=CARD_B) == 1.0
@@ -470,7 +470,7 @@ def test_refused_ops_config_leaves_drift_unknown_and_says_so(host, tmp_path):
 
 
 def test_expected_and_present_cards_name_the_missing_one(host, tmp_path):
-    """Item 6: the config's expected_cards against the cards on the bus, per host."""
+    """The config's expected_cards against the cards on the bus, per host."""
     root, state, _ = host
     listed = tmp_path / "listed.yaml"
     listed.write_text(f"defaults: {{power_cap_watts: 210, voltage_offset_mv: -42}}\n"
@@ -491,7 +491,7 @@ def test_expected_and_present_cards_name_the_missing_one(host, tmp_path):
 
 
 def test_unattributed_host_faults_are_exported_by_type(host, tmp_path):
-    """Item 8: faults the watcher could not pin on a card are host-level counters, 0 from the start."""
+    """Faults the watcher could not pin on a card are host-level counters, 0 from the start."""
     from r9k.ops.state import host_events_path, record_host_event
 
     root, state, config = host
@@ -531,8 +531,8 @@ def test_corrupt_card_state_reads_unhealthy_and_unreadable_not_absent(host):
 
 
 def test_readme_commands_parse_and_name_the_real_fleet_status_path():
-    """Item 16: every `r9k exporter` line of the monitoring README parses with the real CLI, and
-    its fleet URLs use the path the entry point serves (the README said /r9k/fleet/status)."""
+    """Every `r9k exporter` line of the monitoring README parses with the real CLI, and its
+    fleet URLs use the path the entry point serves (/fleet/status, not /r9k/fleet/status)."""
     import shlex
     from pathlib import Path
 

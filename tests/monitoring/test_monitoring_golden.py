@@ -1,4 +1,4 @@
-"""Issue 27 item 5: the exporter as node_exporter does it. The whole /metrics text of a fixture
+"""The exporter as node_exporter does it. The whole /metrics text of a fixture
 host (two R9700 cards with ops state and config, their MES event logs, one replica) is compared
 with a golden file, so a renamed metric, label or help text shows as a diff; each collector
 reports its duration and success, and one that raises is left out while the others are served.

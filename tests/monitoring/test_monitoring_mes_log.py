@@ -1,8 +1,8 @@
-"""Issue 25 item 17 (hardening round two): MES event-log liveness. The optional collector
-(`r9k exporter --debugfs`) reads each card's `amdgpu_mes_event_log` from a fixture debugfs tree
-laid out as drm and amdgpu do (doubles.ops_host.add_debugfs_card) and exports how long it has not
-changed; a clock passed in stands for time. Unreadable debugfs is run as a user that cannot
-bypass file modes (nobody, in a forked child, when the tests run as root)."""
+"""MES event-log liveness. The optional collector (`r9k exporter --debugfs`) reads each card's
+`amdgpu_mes_event_log` from a fixture debugfs tree laid out as drm and amdgpu do
+(doubles.ops_host.add_debugfs_card) and exports how long it has not changed; a clock passed in
+stands for time. Unreadable debugfs is run as a user that cannot bypass file modes (nobody, in a
+forked child, when the tests run as root)."""
 from __future__ import annotations
 
 import json

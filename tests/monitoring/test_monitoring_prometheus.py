@@ -142,7 +142,7 @@ def test_real_prometheus_scrapes_the_exporter_and_fires_rules(site, prometheus):
                 if not api.query(expr):
                     empty.append((path.name, panel["title"], expr))
     assert not empty, empty
-    # A count over no matching host is 0, not "No data" (item 17).
+    # A count over no matching host is 0, not "No data".
     faults = json.loads((MONITORING / "grafana/r9k-faults.json").read_text())
     recovery = next(p for p in faults["panels"] if p["title"] == "Hosts with GPU recovery on")
     expr = recovery["targets"][0]["expr"].replace("$instance", "no-such-host")

@@ -169,7 +169,7 @@ def load_generator():
 
 
 def test_dashboards_are_generated_by_grafanas_builders_and_pass_its_schema():
-    """Item 17: the JSON files are what grafana-foundation-sdk's typed builders write (no hand
+    """The JSON files are what grafana-foundation-sdk's typed builders write (no hand
     edits), and each equals its round trip through Grafana's dashboard model, so a field the
     schema does not know (a typo, a misplaced option) fails here."""
     generator = load_generator()
@@ -184,7 +184,7 @@ def test_dashboards_are_generated_by_grafanas_builders_and_pass_its_schema():
 
 
 def test_kv_dashboard_has_an_instance_variable_and_counts_show_zero():
-    """Item 17: the KV dashboard filters by exporter instance; count panels show 0, not No data."""
+    """The KV dashboard filters by exporter instance; count panels show 0, not No data."""
     dashes = {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
     kv = dashes["r9k-kv-cache.json"]
     assert "instance" in {v["name"] for v in kv["templating"]["list"]}

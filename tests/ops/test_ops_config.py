@@ -64,7 +64,7 @@ def test_per_card_override_merges_field_by_field():
 
 def test_hooks_need_a_root_only_writable_file(tmp_path):
     cfg = tmp_path / "ops.yaml"
-    cfg.write_text("hooks: [/bin/true]\n")  # a hook must exist, root-owned (item 4)
+    cfg.write_text("hooks: [/bin/true]\n")  # a hook must exist, root-owned
     os.chmod(cfg, 0o666)
     with pytest.raises(ConfigError, match="writable by someone other than root"):
         load_config(cfg)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -12,8 +11,8 @@ from r9k.cli import main
 from doubles import ops_host as fixtures
 from r9k.ops.config import parse_config
 from doubles.ops_host import CardSpec, FakeKernel, build_host_tree, read_cap_watts, read_od_offset_mv
-from r9k.ops.power import ReconcileState, apply_power, power_status, reconcile_once
-from r9k.ops.state import LastEvent, read_card_state, update_card_state
+from r9k.ops.power import apply_power, power_status
+from r9k.ops.state import read_card_state
 from r9k.ops.sysfs import discover_cards, parse_od_table, recovery_status
 
 A, B, C = "0000:03:00.0", "0000:04:00.0", "0000:0a:00.0"
@@ -91,7 +90,7 @@ def test_apply_through_sysfs_writes_microwatts_and_vo_commit(tmp_path):
     ],
 )
 def test_a_value_a_card_does_not_declare_is_refused_for_that_card_alone(tmp_path, override, needle, b_after):
-    """Issue 25 item 1: the refused setting is never written and is that card's drift (named,
+    """The refused setting is never written and is that card's drift (named,
     with the card's declared range, exit 1); every other setting and card is applied."""
     host = _host(tmp_path)
     with FakeKernel(host):

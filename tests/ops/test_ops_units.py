@@ -87,9 +87,9 @@ def _systemd_words(line: str) -> list[str]:
     return words
 
 
-def test_item15_unit_paths_with_blanks_specifiers_and_dollars_survive_systemd(tmp_path):
-    """Issue 25 item 15 (round one's open end): paths were written into ExecStart= unquoted, so
-    a blank split them, `%b` became the boot id and `$HOME` the service's home."""
+def test_unit_paths_with_blanks_specifiers_and_dollars_survive_systemd(tmp_path):
+    """Paths go into ExecStart= quoted and escaped: written as they are, a blank would split
+    them, `%b` become the boot id and `$HOME` the service's home."""
     odd = tmp_path / "r9k tools 100%b $HOME"
     odd.mkdir()
     r9k_bin = odd / "r9k"
@@ -120,7 +120,7 @@ def test_item15_unit_paths_with_blanks_specifiers_and_dollars_survive_systemd(tm
     assert not bad_dest.exists()
 
 
-def test_item15_fleet_units_quote_their_paths_too(tmp_path):
+def test_fleet_units_quote_their_paths_too(tmp_path):
     from r9k.ops.units import install_fleet_units
 
     odd = tmp_path / "fleet 50%"

@@ -1,4 +1,9 @@
-"""Issue 25 (hardening round two), ops half: against fixture host trees and the real CLI."""
+"""Host ops against fixture host trees and the real CLI: reconcile with a card that refuses a
+setting, with LACT down or without get_gpu_config, a card behind VMD, a cap that reads back but is
+not enforced; the watcher's fencing and state: state dirs that take no writes, faults that name
+no card, an unusable journal cursor, forged syslog kernel lines, bounded writes per event, idle
+polls, the last kmsg record, record ids across crashes; hook arguments, children and a planted
+lock symlink."""
 from __future__ import annotations
 
 import json
@@ -23,7 +28,7 @@ def _ops(tmp_path, host, *args):
                                      "--state-dir", str(tmp_path / "state")])
 
 
-def test_item1_one_odd_card_does_not_stop_reconcile_repairing_the_others(tmp_path):
+def test_one_odd_card_does_not_stop_reconcile_repairing_the_others(tmp_path):
     """A card declaring 250-350 W: reconcile keeps going every round (exit 1 at the end, not 2
     at the first), repairs the card that drifted and names the odd one with its range."""
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B, cap_min_watts=250,
@@ -74,7 +79,7 @@ def _watch_once(log, cfg, host, state):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="hook checks need root-owned files")
-def test_item2_hook_arguments_and_the_config_directory_are_checked_too(tmp_path):
+def test_hook_arguments_and_the_config_directory_are_checked_too(tmp_path):
     """A 0666 script in a 0777 directory handed to /bin/sh or python3 (list or string form), or
     a config in a 0777 directory: refused at load (exit 2), so never run as root."""
     safe_dir = tmp_path / "safe"
@@ -115,7 +120,7 @@ MES = "amdgpu {}: amdgpu: MES failed to respond to msg=REMOVE_QUEUE"
 
 
 @pytest.mark.parametrize("state_dir", ["/proc/self", "/sys/fs/r9k-state"])
-def test_item3_a_state_dir_that_takes_no_write_is_refused_at_start(tmp_path, state_dir):
+def test_a_state_dir_that_takes_no_write_is_refused_at_start(tmp_path, state_dir):
     """Read-only filesystems (procfs, sysfs: root cannot write there either): every command that
     records refuses at start, exit 2, before touching a card or reading the log."""
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
@@ -132,7 +137,7 @@ def test_item3_a_state_dir_that_takes_no_write_is_refused_at_start(tmp_path, sta
     assert read_cap_watts(host, A) == 300.0
 
 
-def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypatch):
+def test_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypatch):
     """The state dir fills up after start: the MES fault is still fenced (hooks run once per
     card), printed with what was not saved, and the process does not crash."""
     import errno
@@ -161,7 +166,7 @@ def test_item3_a_write_failing_later_still_contains_the_fault(tmp_path, monkeypa
     assert "warning: log position not saved" in result.output
 
 
-def test_item4_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_path):
+def test_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_path):
     """Lines of two cards interleaved, then a ring timeout naming no card: no evidence for
     either card (the old rule gave it to whichever logged last, which was then fenced and
     drained); a host event. After one card's lines alone, context still attributes it."""
@@ -186,7 +191,7 @@ def test_item4_an_unaddressed_fault_after_two_cards_lines_is_a_host_event(tmp_pa
     assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(None, True, False), (B, False, True)]
 
 
-def test_item10_a_card_behind_vmd_is_managed_and_fenced(tmp_path):
+def test_a_card_behind_vmd_is_managed_and_fenced(tmp_path):
     """A card on PCI domain 10000 (Intel VMD): apply writes, verifies and records it without a
     traceback; its MES timeout is its own (fenced), not a host event."""
     vmd = "10000:e1:00.0"
@@ -204,7 +209,7 @@ def test_item10_a_card_behind_vmd_is_managed_and_fenced(tmp_path):
     assert [(e["bdf"], e["host"], e["fenced_now"]) for e in seen] == [(vmd, False, True)]
 
 
-def test_item9_auto_falls_back_to_sysfs_from_a_lact_without_get_gpu_config(tmp_path):
+def test_auto_falls_back_to_sysfs_from_a_lact_without_get_gpu_config(tmp_path):
     """An older lactd answers ping and list_devices but not get_gpu_config ("unknown variant"):
     auto picks sysfs and says why; `backend: lact` refuses (exit 2, nothing written)."""
     from doubles.lact_double import LactDouble
@@ -225,7 +230,7 @@ def test_item9_auto_falls_back_to_sysfs_from_a_lact_without_get_gpu_config(tmp_p
     assert forced.exit_code == 2 and "unknown variant" in forced.output
 
 
-def test_item9_reconcile_with_lact_down_reports_and_keeps_going(tmp_path):
+def test_reconcile_with_lact_down_reports_and_keeps_going(tmp_path):
     """`backend: lact` with lactd not running: each round reports the drift it could not repair
     (exit 1 at the end, not exit 2 at the first round); the rounds go on."""
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
@@ -241,7 +246,7 @@ def test_item9_reconcile_with_lact_down_reports_and_keeps_going(tmp_path):
     assert read_cap_watts(host, A) == 300.0
 
 
-def test_item11_an_unusable_journal_cursor_falls_back_and_says_so(tmp_path, monkeypatch):
+def test_an_unusable_journal_cursor_falls_back_and_says_so(tmp_path, monkeypatch):
     """A saved cursor journalctl cannot seek to: read this boot from its start with a warning
     (before: exit 1 on every restart). journalctl is asked for kernel records by transport, not
     -k, so a cursor from the previous boot reads that boot's unread tail."""
@@ -276,7 +281,7 @@ def test_item11_an_unusable_journal_cursor_falls_back_and_says_so(tmp_path, monk
     assert json.loads((state / CURSOR_FILE).read_text())["journal"]["cursor"] == "s=new;i=9"
 
 
-def test_item18_a_cap_that_reads_back_but_is_not_enforced_is_written_again(tmp_path):
+def test_a_cap_that_reads_back_but_is_not_enforced_is_written_again(tmp_path):
     """LACT issue 506: power1_cap reads 210 W but the card draws 262 W. Drawing more than cap +
     cap_draw_margin_watts for cap_draw_window_s is drift: reconcile writes the cap again and
     says why; a card under its cap is left alone."""
@@ -298,7 +303,7 @@ def test_item18_a_cap_that_reads_back_but_is_not_enforced_is_written_again(tmp_p
     assert rounds[0]["reapplied"] == []  # one round over the cap is not yet the window
 
 
-def test_item15_hook_children_fault_events_and_a_planted_lock_symlink(tmp_path):
+def test_hook_children_die_with_it_fencing_stays_on_and_a_planted_lock_symlink_is_refused(tmp_path):
     """A hook killed on timeout takes its children with it (process group); `fault_events: []`
     (fencing silently off) is refused; a `.lock` symlink planted in the state dir does not make
     root create a file where it points."""
@@ -344,12 +349,12 @@ def test_item15_hook_children_fault_events_and_a_planted_lock_symlink(tmp_path):
     assert not target.exists()
 
 
-# -- item 15, the watcher's leftovers: forged syslog kernel lines, per-event writes, idle
-# fsyncs, the last kmsg record ----------------------------------------------------------------
+# -- the watcher: forged syslog kernel lines, per-event writes, idle fsyncs, the last kmsg
+# record --------------------------------------------------------------------------------------
 SYSLOG_MES = "Nov 30 05:24:01 gpuhost kernel: " + MES
 
 
-def test_item15_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
+def test_a_syslog_kernel_tag_is_reported_not_acted_on(tmp_path):
     """`logger -t kernel '<MES line>'` lands in a syslog file byte for byte like the kernel's own
     line (rsyslog's default template, no [pid] without logger --id): reported with why it was not
     acted on, never counted, fenced or handed to the hooks, and the watcher says which sources
@@ -421,7 +426,7 @@ def _bytes_written(before, after) -> int:
     return total
 
 
-def test_item15_bytes_written_per_event_stay_bounded(tmp_path, monkeypatch):
+def test_bytes_written_per_event_stay_bounded(tmp_path, monkeypatch):
     """A card with history (8 boots of kmsg positions, 900 MES timeouts from saved text logs):
     each new event used to rewrite and fsync the whole card file with its 900+ record ids (about
     23 KB at 1,100). Now each event writes under 2 KiB and at most 2 fsyncs (the card file;
@@ -464,7 +469,7 @@ def test_item15_bytes_written_per_event_stay_bounded(tmp_path, monkeypatch):
     assert read_card_state(state, A).counts["mes_timeout"] == 8 + 900 + 40
 
 
-def test_item15_idle_polls_write_nothing_durable(tmp_path, monkeypatch):
+def test_idle_polls_write_nothing_durable(tmp_path, monkeypatch):
     """No new records: a poll used to rewrite and fsync the log position every time (twice a
     second by default, forever). Now an idle poll writes nothing but the heartbeat's mtime."""
     from doubles.ops_host import kmsg_record
@@ -492,7 +497,7 @@ def test_item15_idle_polls_write_nothing_durable(tmp_path, monkeypatch):
         assert {p: v for p, v in after.items() if p != beat} == {p: v for p, v in before.items() if p != beat}
 
 
-def test_item15_the_last_kmsg_record_is_acted_on_before_another_arrives(tmp_path):
+def test_the_last_kmsg_record_is_acted_on_before_another_arrives(tmp_path):
     """`r9k ops watch --source kmsg` following a kmsg-format file: one MES timeout record (with
     its DEVICE continuation line) and nothing after it, as before a hang. It used to wait for a
     following record (maybe never); now it is printed and its card fenced within a poll."""
@@ -533,7 +538,7 @@ def test_item15_the_last_kmsg_record_is_acted_on_before_another_arrives(tmp_path
         proc.wait(timeout=10)
 
 
-def test_item15_record_ids_survive_a_crash_an_older_card_file_and_compaction(tmp_path, monkeypatch):
+def test_record_ids_survive_a_crash_an_older_card_file_and_compaction(tmp_path, monkeypatch):
     """The record ids moved out of the card file into `<BDF>.seen` (appended after the card
     file's write, which names the ids it counted): a crash between the two, a card file of the
     older format that still carries `seen_ids`, and the cut back to the last ids at twice the

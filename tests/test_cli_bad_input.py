@@ -1,4 +1,4 @@
-"""Issue 25 item 8 (hardening round two): input that crashed or hung where exit 2 was expected.
+"""Bad input to the `r9k` command line is exit 2 and one line, never a crash or a hang.
 Every config loader (ops config, fleet file, exporter web config) refuses a complex YAML key; a
 fleet file that is not UTF-8 or is a directory is bad input; every float option of the `r9k`
 command line takes one rule (finite, in range), and a refused value changes nothing."""
@@ -97,8 +97,8 @@ def test_every_float_option_refuses_nan_and_inf(args):
     assert f"'{opt}'" in result.output and "Traceback" not in result.output, result.output
 
 
-def test_item15_check_config_and_fleet_check_speak_json_and_so_do_their_refusals(tmp_path, tiny_model):
-    """Issue 25 item 15: `--json` on `ops check-config` and `fleet check`; under `--json` a refusal
+def test_check_config_and_fleet_check_speak_json_and_so_do_their_refusals(tmp_path, tiny_model):
+    """`--json` on `ops check-config` and `fleet check`; under `--json` a refusal
     is one JSON object on stdout ({"ok": false, "error", "exit_code"}), not click's plain text."""
     import json
 

@@ -1,11 +1,12 @@
-"""Issue 15, ops half: hostile and broken input against real parts (fixture host trees, the LACT
-double on a real Unix socket, real files, real subprocesses). One test (or a few) per item."""
+"""Hostile and broken input to host ops, against real parts (fixture host trees, the LACT double
+on a real Unix socket, real files, real subprocesses): spoofed, repeated and truncated kernel
+logs, faults that name no card, a failing journalctl, slow and unsafe hooks, cards missing from
+the bus, a LACT daemon that stalls or never stops replying, huge logs, and configs and state dirs
+that are not what they should be."""
 from __future__ import annotations
 
 import json
 import os
-import resource
-import stat
 import subprocess
 import sys
 import threading
@@ -51,8 +52,8 @@ def _one_line_error(result) -> str:
     return text
 
 
-# -- item 3: only kernel-transport records are kernel events ------------------------------------
-def test_item3_spoofed_process_lines_are_not_kernel_events(tmp_path):
+# -- only kernel-transport records are kernel events --------------------------------------------
+def test_spoofed_process_lines_are_not_kernel_events(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     log = tmp_path / "mixed.log"
     log.write_text(
@@ -73,11 +74,11 @@ def test_item3_spoofed_process_lines_are_not_kernel_events(tmp_path):
     events = [json.loads(x) for x in result.stdout.splitlines() if '"summary"' not in x]
     assert [(e["type"], e["bdf"]) for e in events] == [("mes_timeout", B)]
     assert read_card_state(state, A) is None or read_card_state(state, A).healthy
-    # listed, but a `kernel:` tag proves nothing either (logger -t kernel): not acted on (issue 25 item 15)
+    # listed, but a `kernel:` tag proves nothing either (logger -t kernel): not acted on
     assert events[0]["unauthenticated"] and read_card_state(state, B) is None
 
 
-def test_item3_journal_records_need_kernel_transport(tmp_path):
+def test_journal_records_need_kernel_transport(tmp_path):
     from r9k.ops.kernlog import parse_journal_json
 
     base = {"MESSAGE": MES.format(A), "__SEQNUM": 5, "__SEQNUM_ID": "s", "_BOOT_ID": "b"}
@@ -87,7 +88,7 @@ def test_item3_journal_records_need_kernel_transport(tmp_path):
         assert parse_journal_json(json.dumps(entry)) is None, transport
 
 
-# -- item 4: hooks in places others can write are refused ---------------------------------------
+# -- hooks in places others can write are refused -----------------------------------------------
 def _hook(path: Path, mode=0o755) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\nexit 0\n")
@@ -96,7 +97,7 @@ def _hook(path: Path, mode=0o755) -> Path:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="hook checks need root-owned files")
-def test_item4_world_writable_hook_or_parent_is_refused(tmp_path):
+def test_world_writable_hook_or_parent_is_refused(tmp_path):
     safe = _hook(tmp_path / "safe/drain.sh")
     assert load_config(_cfg(tmp_path, f"hooks: [{safe}]\n")).hook_argvs() == [[str(safe)]]
 
@@ -116,8 +117,8 @@ def test_item4_world_writable_hook_or_parent_is_refused(tmp_path):
         load_config(_cfg(tmp_path, f"hooks: [{tmp_path / 'absent.sh'}]\n"))
 
 
-# -- item 5: a card missing from the bus does not stop the others --------------------------------
-def test_item5_a_missing_card_is_reported_and_the_others_are_applied(tmp_path):
+# -- a card missing from the bus does not stop the others ----------------------------------------
+def test_a_missing_card_is_reported_and_the_others_are_applied(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     cfg = _cfg(tmp_path, CONFIG + f'cards: {{"{C}": {{power_cap_watts: 200}}}}\n')
     common = ["--config", str(cfg), "--host-root", str(host), "--state-dir", str(tmp_path / "state")]
@@ -135,8 +136,8 @@ def test_item5_a_missing_card_is_reported_and_the_others_are_applied(tmp_path):
     assert read_cap_watts(host, B) == 210.0
 
 
-# -- item 6: expected cards ---------------------------------------------------------------------
-def test_item6_card_presence_is_pure():
+# -- expected cards -----------------------------------------------------------------------------
+def test_card_presence_is_pure():
     assert card_presence(parse_config(""), []) == CardPresence(expected=1, present=0, missing=[])
     assert not card_presence(parse_config(""), []).ok
     assert card_presence(parse_config("expected_cards: 2\n"), [A, B]).ok
@@ -148,7 +149,7 @@ def test_item6_card_presence_is_pure():
         parse_config('expected_cards: ["03:00.0"]\n')
 
 
-def test_item6_no_cards_or_a_vanished_card_exits_1(tmp_path):
+def test_no_cards_or_a_vanished_card_exits_1(tmp_path):
     empty = build_host_tree(tmp_path / "empty", [])
     cfg = _cfg(tmp_path, CONFIG)
     for command in ("apply", "status"):
@@ -168,7 +169,7 @@ def test_item6_no_cards_or_a_vanished_card_exits_1(tmp_path):
     assert status.exit_code == 1 and f"fewer cards than expected: {B} missing" in status.output
 
 
-# -- item 7: exactly-once keyed on record identity, truncation detected --------------------------
+# -- exactly-once keyed on record identity, truncation detected ----------------------------------
 BOOT_LINE = "[    0.000000] Linux version 6.14.0-36-generic (buildd@lcy02) #36-Ubuntu SMP PREEMPT_DYNAMIC\n"
 
 
@@ -176,7 +177,7 @@ def _dmesg(*lines):
     return BOOT_LINE + "".join(lines)
 
 
-def test_item7_two_boots_of_the_same_kernel_both_count(tmp_path):
+def test_two_boots_of_the_same_kernel_both_count(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     state = tmp_path / "state"
     boot1, boot2 = tmp_path / "boot1.dmesg", tmp_path / "boot2.dmesg"
@@ -202,7 +203,7 @@ def test_item7_two_boots_of_the_same_kernel_both_count(tmp_path):
     assert (counts["reset_begin"], counts["reset_succeeded"]) == (2, 1)
 
 
-def test_item7_copytruncate_then_regrowth_past_the_offset_loses_nothing(tmp_path):
+def test_copytruncate_then_regrowth_past_the_offset_loses_nothing(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     state, log = tmp_path / "state", tmp_path / "kern.log"
     log.write_text(_dmesg(f"[  100.000000] amdgpu {A}: amdgpu: GPU reset begin!. Source:  3\n"))
@@ -220,8 +221,8 @@ def test_item7_copytruncate_then_regrowth_past_the_offset_loses_nothing(tmp_path
     assert any("truncated" in g or "replaced" in g for g in watcher.source.gaps)
 
 
-# -- item 8: attribution by evidence only; unattributed faults are host events --------------------
-def test_item8_a_line_without_address_is_not_given_to_the_last_card(tmp_path):
+# -- attribution by evidence only; unattributed faults are host events ----------------------------
+def test_a_line_without_address_is_not_given_to_the_last_card(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     state, log = tmp_path / "state", tmp_path / "kern.log"
     log.write_text(
@@ -247,7 +248,7 @@ def test_item8_a_line_without_address_is_not_given_to_the_last_card(tmp_path):
     assert [(e.type, e.count) for e in read_host_events(state)] == [("ring_timeout", 1)]
 
 
-# -- item 10: the journal source reports failures -------------------------------------------------
+# -- the journal source reports failures ----------------------------------------------------------
 def _stand_in_journalctl(bin_dir: Path, body: str) -> dict:
     bin_dir.mkdir(parents=True, exist_ok=True)
     script = bin_dir / "journalctl"
@@ -256,7 +257,7 @@ def _stand_in_journalctl(bin_dir: Path, body: str) -> dict:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def test_item10_journalctl_failure_exits_nonzero_with_its_message(tmp_path, monkeypatch):
+def test_journalctl_failure_exits_nonzero_with_its_message(tmp_path, monkeypatch):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     env = _stand_in_journalctl(tmp_path / "bin", 'echo "Failed to open journal: Permission denied" >&2\nexit 1\n')
     monkeypatch.setenv("PATH", env["PATH"])
@@ -270,7 +271,7 @@ def test_item10_journalctl_failure_exits_nonzero_with_its_message(tmp_path, monk
     assert follow.exit_code == 1 and "Permission denied" in follow.output
 
 
-def test_item10_journalctl_lines_are_read(tmp_path, monkeypatch):
+def test_journalctl_lines_are_read(tmp_path, monkeypatch):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     line = json.dumps({"MESSAGE": MES.format(A), "_TRANSPORT": "kernel", "__SEQNUM": 9, "__SEQNUM_ID": "s",
                        "_BOOT_ID": "b", "__CURSOR": "s=1;i=9"})
@@ -282,8 +283,8 @@ def test_item10_journalctl_lines_are_read(tmp_path, monkeypatch):
     assert json.loads(result.stdout.splitlines()[0])["type"] == "mes_timeout"
 
 
-# -- item 11: fence first, hooks off the loop, once per state change, configured timeout ----------
-def test_item11_slow_hooks_do_not_delay_fencing_another_card(tmp_path):
+# -- fence first, hooks off the loop, once per state change, configured timeout -------------------
+def test_slow_hooks_do_not_delay_fencing_another_card(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     state, log, calls = tmp_path / "state", tmp_path / "kern.log", tmp_path / "calls"
     hook = tmp_path / "slow-drain.sh"
@@ -303,7 +304,7 @@ def test_item11_slow_hooks_do_not_delay_fencing_another_card(tmp_path):
     assert time.monotonic() - started < 2.5  # A's and B's hooks ran side by side
 
 
-def test_item11_hook_timeout_comes_from_the_config(tmp_path):
+def test_hook_timeout_comes_from_the_config(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     hook = tmp_path / "hang.sh"
     hook.write_text("#!/bin/sh\nsleep 30\n")
@@ -320,7 +321,7 @@ def test_item11_hook_timeout_comes_from_the_config(tmp_path):
     assert runs[0].returncode is None and "timed out after 0.3" in runs[0].error
 
 
-# -- item 12: one deadline per LACT request, a reply size cap -------------------------------------
+# -- one deadline per LACT request, a reply size cap ----------------------------------------------
 def _bounded(call, limit_s):
     outcome = {}
 
@@ -338,7 +339,7 @@ def _bounded(call, limit_s):
     return outcome, time.monotonic() - started
 
 
-def test_item12_a_trickling_daemon_hits_the_request_deadline(tmp_path):
+def test_a_trickling_daemon_hits_the_request_deadline(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     sock = str(tmp_path / "lactd.sock")
     with LactDouble(sock, host, reply_mode="trickle"):
@@ -347,7 +348,7 @@ def test_item12_a_trickling_daemon_hits_the_request_deadline(tmp_path):
     assert took < 1.5
 
 
-def test_item12_an_endless_reply_hits_the_size_cap_and_apply_changes_nothing(tmp_path):
+def test_an_endless_reply_hits_the_size_cap_and_apply_changes_nothing(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     sock = str(tmp_path / "lactd.sock")
     with LactDouble(sock, host, reply_mode="endless"):
@@ -359,9 +360,9 @@ def test_item12_an_endless_reply_hits_the_size_cap_and_apply_changes_nothing(tmp
     assert read_cap_watts(host, A) == 300.0
 
 
-# -- item 13: stream the file, cap stored message length ------------------------------------------
+# -- stream the file, cap stored message length ---------------------------------------------------
 @pytest.mark.skipif(os.geteuid() != 0, reason="hooks need a root-owned config")
-def test_item13_a_huge_line_is_capped_in_state_and_hook_env(tmp_path):
+def test_a_huge_line_is_capped_in_state_and_hook_env(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     state, log, seen_env = tmp_path / "state", tmp_path / "kern.log", tmp_path / "env-length"
     hook = tmp_path / "hook.sh"
@@ -386,7 +387,7 @@ def _peak_rss_kib(args) -> int:
     return int(out.stdout)
 
 
-def test_item13_a_big_log_is_streamed_in_bounded_memory(tmp_path):
+def test_a_big_log_is_streamed_in_bounded_memory(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     r9k = str(Path(sys.executable).parent / "r9k")
     small, big = tmp_path / "small.log", tmp_path / "big.log"
@@ -404,8 +405,8 @@ def test_item13_a_big_log_is_streamed_in_bounded_memory(tmp_path):
     assert peak - baseline < 12 * 1024, f"peak RSS grew by {(peak - baseline) / 1024:.0f} MiB for a 25 MB log"
 
 
-# -- item 15: bad input keeps the exit-code contract ---------------------------------------------
-def test_item15_non_utf8_and_duplicate_key_configs_are_bad_input(tmp_path):
+# -- bad input keeps the exit-code contract ------------------------------------------------------
+def test_non_utf8_and_duplicate_key_configs_are_bad_input(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     latin = tmp_path / "latin1.yaml"
     latin.write_bytes(b"defaults: {power_cap_watts: 210}  # caf\xe9\n")
@@ -419,7 +420,7 @@ def test_item15_non_utf8_and_duplicate_key_configs_are_bad_input(tmp_path):
         parse_config("defaults:\n  power_cap_watts: 210\n  power_cap_watts: 225\n")
 
 
-def test_item15_state_dir_that_is_a_file_or_absent_is_bad_input(tmp_path):
+def test_state_dir_that_is_a_file_or_absent_is_bad_input(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     cfg = _cfg(tmp_path, CONFIG)
     not_dir = tmp_path / "state-file"
@@ -439,7 +440,7 @@ def test_item15_state_dir_that_is_a_file_or_absent_is_bad_input(tmp_path):
     assert result.exit_code == 2 and "no ops state" in _one_line_error(result)
 
 
-def test_item15_a_corrupt_card_state_file_is_reported_not_hidden(tmp_path):
+def test_a_corrupt_card_state_file_is_reported_not_hidden(tmp_path):
     host = build_host_tree(tmp_path / "host", [CardSpec(A), CardSpec(B)])
     state = tmp_path / "state"
     update_card_state(state, B, lambda s: None)
@@ -461,7 +462,7 @@ def test_item15_a_corrupt_card_state_file_is_reported_not_hidden(tmp_path):
 
 
 @pytest.mark.parametrize("interval", ["0", "-1", "nan"])
-def test_item15_watch_interval_must_be_positive(tmp_path, interval):
+def test_watch_interval_must_be_positive(tmp_path, interval):
     host = build_host_tree(tmp_path / "host", [CardSpec(A)])
     log = tmp_path / "kern.log"
     log.write_text("")

@@ -1,5 +1,7 @@
-"""Issue 25 (hardening round two), fleet file half: flags and environment the fleet owns cannot
-be overridden in any spelling; prefix caching is a typed field."""
+"""The fleet file's checks: flags and environment the fleet owns cannot be overridden in any
+spelling; prefix caching is a typed field; a model name is printable without blanks; RCCL
+defaults per TP size; install-units hands the API key on without writing it. Also the entry
+point against bad bytes, deep JSON, slow clients and replicas on IPv6."""
 from __future__ import annotations
 
 import pytest
@@ -21,25 +23,25 @@ MODEL = {"name": "m", "path": "/x", "kv_cache_memory_bytes": 1 << 30}
     (["--tensor_parallel_size=4"], "tensor_parallel_size"),  # vLLM reads _ as -
     (["--enable_prefix_caching"], "enable_prefix_caching"),
 ])
-def test_item6_owned_flags_are_refused_in_every_spelling(extra, flag):
+def test_owned_flags_are_refused_in_every_spelling(extra, flag):
     needle = f"set vLLM's {flag} "
     assert needle in refused(fleet_text(models=[dict(MODEL, extra_args=extra)]))
 
 
 @pytest.mark.parametrize("key", ["HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
                                  "R9K_GDN_STATE", "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"])
-def test_item6_env_cannot_override_card_placement_or_page_mode(key):
+def test_env_cannot_override_card_placement_or_page_mode(key):
     msg = refused(fleet_text(models=[dict(MODEL, env={key: "0"})]))
     assert f"{key} is set by the fleet" in msg
 
 
-def test_item6_other_flags_and_env_still_pass():
+def test_other_flags_and_env_still_pass():
     cfg = parse_fleet(fleet_text(models=[dict(MODEL, extra_args=["--max-num-seqs 8"],
                                               env={"NCCL_P2P_DISABLE": "1"})]))
     assert cfg.models[0].extra_args == ["--max-num-seqs 8"]
 
 
-def test_item14_prefix_caching_off_from_the_fleet_file(monkeypatch, tmp_path):
+def test_prefix_caching_can_be_turned_off_from_the_fleet_file(monkeypatch, tmp_path):
     from r9k.devtools.tiny_model import make_tiny
 
     make_tiny(tmp_path / "tiny")
@@ -56,7 +58,7 @@ def test_item14_prefix_caching_off_from_the_fleet_file(monkeypatch, tmp_path):
     assert "prefix_caching" in refused(fleet_text(models=[dict(MODEL, prefix_caching="no")]))
 
 
-def test_item12_install_units_gives_the_controller_and_the_drain_hook_the_api_key(tmp_path, monkeypatch):
+def test_install_units_gives_the_controller_and_the_drain_hook_the_api_key(tmp_path, monkeypatch):
     """entry.api_key_env: the fleet unit reads the key from a root-only EnvironmentFile (checked:
     exists, 0600, sets the variable), never from its own text; the watcher's unit can get
     R9K_FLEET_API_KEY the same way for the fleet's drain hook."""
@@ -106,7 +108,7 @@ def test_item12_install_units_gives_the_controller_and_the_drain_hook_the_api_ke
     assert f"EnvironmentFile={env}" in (tmp_path / "ops" / "r9k-ops-watch.service").read_text()
 
 
-def test_item19_rccl_defaults_per_tp_size_overridable_and_shown():
+def test_rccl_defaults_per_tp_size_overridable_and_shown():
     """NCCL_PROTO=Simple on every R9700 replica (TP 2 deadlocks without it), NCCL_P2P_DISABLE=1
     at TP 4 (4-card peer-to-peer can hang the host); a model's env overrides them; the same
     dict goes into the replica's environment and the fleet status."""
@@ -129,7 +131,7 @@ def test_item19_rccl_defaults_per_tp_size_overridable_and_shown():
     assert rccl_env(cpu.models[0], cpu) == {}
 
 
-def test_item15_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
+def test_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
     """Invalid UTF-8 bodies, JSON nested 100 000 deep (RecursionError in Python's parser), an
     Authorization header with non-ASCII bytes, a non-object admin body: 400 or 401, no 500."""
     import http.client
@@ -165,12 +167,12 @@ def test_item15_entry_point_answers_bad_bytes_and_deep_json_with_400_not_500():
     assert _json_object(__import__("json").dumps(nested).encode()) == nested  # at the limit: fine
 
 
-def test_item15_a_model_name_with_a_newline_or_blank_is_refused():
+def test_a_model_name_with_a_newline_or_blank_is_refused():
     for bad in ("tiny\nX-Injected: 1", "two words", ""):
         assert "models.0.name" in refused(fleet_text(models=[dict(MODEL, name=bad)]))
 
 
-def test_item7_slow_clients_do_not_starve_normal_ones():
+def test_slow_clients_do_not_starve_normal_ones():
     """Clients that open connections and trickle headers, or send a body slowly: the header
     deadline closes them, a new connection beyond the limit takes the slot of the oldest one
     still sending its head (it is served, that one is closed), a slow body gets 408; a normal
@@ -216,7 +218,7 @@ def test_item7_slow_clients_do_not_starve_normal_ones():
         servers.close()
 
 
-def test_item15_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
+def test_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
     """A replica bound to an IPv6 address (replica_bind: node-ip on an IPv6 node) was announced
     as http://::1:8100 (no client parses it) and its port probe bound an IPv4 socket to it
     (no port ever free): bracketed URLs, an IPv6 probe, and the entry point routes to it."""
@@ -273,9 +275,10 @@ def test_item15_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
         servers.close()
 
 
-def test_item7_the_next_request_on_a_kept_alive_connection_has_a_header_deadline_too():
-    """Round two's guard bounded a connection's first headers only: after one quick request, a
-    client could trickle the next request's headers on the same connection for ever."""
+def test_the_next_request_on_a_kept_alive_connection_has_a_header_deadline_too():
+    """Every request head on a kept-alive connection has the header deadline, not only the
+    first: after one quick request, a client cannot trickle the next request's headers on the
+    same connection for ever."""
     import socket
     import time
 

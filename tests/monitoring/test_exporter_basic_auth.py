@@ -1,6 +1,6 @@
-"""Issue 25 item 5 (hardening round two): the exporter's basic auth. A malformed bcrypt hash is
-refused at start; wrong guesses cannot starve a real scrape (bounded concurrent checks, a header
-that passed skips bcrypt); an unknown user costs a real bcrypt check of the users' cost."""
+"""The exporter's basic auth. A malformed bcrypt hash is refused at start; wrong guesses cannot
+starve a real scrape (bounded concurrent checks, a header that passed skips bcrypt); an unknown
+user costs a real bcrypt check of the users' cost. Also the watcher's heartbeat, exported."""
 from __future__ import annotations
 
 import base64
@@ -99,8 +99,8 @@ def test_guesses_cannot_starve_a_scrape(hashed, monkeypatch):
         server.server_close()
 
 
-def test_item16_the_watchers_heartbeat_is_exported(tmp_path):
-    """Issue 25 item 16: the watcher touches watch-heartbeat at every poll; the exporter exports
+def test_the_watchers_heartbeat_is_exported(tmp_path):
+    """The watcher touches watch-heartbeat at every poll; the exporter exports
     its time (alert OpsWatcherStale, promtool cases in r9k.rules.test.yml); absent when the
     watcher never ran there."""
     import os
