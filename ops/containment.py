@@ -85,7 +85,8 @@ class Containment:
 
     def hooks_due(self, event: KernelEvent, counted: Counted, retry: bool = False) -> bool:
         """Whether the hooks run for this outcome: the card was fenced now, and this is not a
-        saved retry of an event already contained from memory (its hooks ran then)."""
+        saved retry of an event already contained from memory (its hooks ran then). A yes is
+        remembered: the card is fenced for `count_unsaved` from then on."""
         if not counted.fenced_now or retry or event.bdf is None:
             return False
         self._fenced.add(event.bdf)
