@@ -40,7 +40,7 @@ class VllmMetrics:
     ssm_state_dtype: str | None = None      # mamba_ssm_cache_dtype when set explicitly
     cache_mode: str | None = None           # mamba_cache_mode (none | align | all)
     plugin: dict[str, str] | None = None    # r9k_plugin_info labels; None: no plugin series
-    invalid: list[str] = field(default_factory=list)  # samples dropped: NaN or infinite
+    invalid: list[str] = field(default_factory=list)  # series dropped: NaN, infinite, a sum past float
 
     @property
     def page_mode(self) -> str | None:
@@ -55,38 +55,39 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None  # vLLM writes 'None' before the engine has sized its pool
 
 
+# vLLM's series summed over engines -> the field that holds the sum
+_SUMMED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:generation_tokens_total": "generation_tokens",
+           "vllm:num_preemptions_total": "preemptions",
+           "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+           "vllm:prefix_cache_hits_total": "prefix_cache_hits"}
+
+
 def parse_vllm_metrics(text: str) -> VllmMetrics:
-    """Sums over engines for request and token counts, the fullest engine for KV usage.
+    """Sums over engines for request and token counts, the fullest engine for KV usage. A value
+    that is not finite says nothing: a NaN or infinite sample, or a sum of finite ones past the
+    largest float, leaves its field unknown and is named in ``invalid``.
 
     Raises ValueError on text that is not the Prometheus exposition format."""
     out = VllmMetrics()
-
-    def add(current: float | None, value: float) -> float:
-        return value if current is None else current + value
-
+    sums: dict[str, float] = {}
+    overflowed: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
             if not math.isfinite(value):
-                # a NaN or infinite count or ratio says nothing: the field stays unknown
                 out.invalid.append(name)
                 continue
             if out.model_name is None and labels.get("model_name"):
                 out.model_name = labels["model_name"]
-            if name == "vllm:num_requests_running":
-                out.running = add(out.running, value)
-            elif name == "vllm:num_requests_waiting":
-                out.waiting = add(out.waiting, value)
-            elif name == "vllm:generation_tokens_total":
-                out.generation_tokens = add(out.generation_tokens, value)
+            if name in _SUMMED:
+                total = sums.get(name, 0.0) + value
+                if not math.isfinite(total) and name not in overflowed:
+                    overflowed.add(name)
+                    out.invalid.append(name)
+                sums[name] = total
             elif name == "vllm:kv_cache_usage_perc":
                 out.kv_usage_ratio = value if out.kv_usage_ratio is None else max(out.kv_usage_ratio, value)
-            elif name == "vllm:num_preemptions_total":
-                out.preemptions = add(out.preemptions, value)
-            elif name == "vllm:prefix_cache_queries_total":
-                out.prefix_cache_queries = add(out.prefix_cache_queries, value)
-            elif name == "vllm:prefix_cache_hits_total":
-                out.prefix_cache_hits = add(out.prefix_cache_hits, value)
             elif name == "vllm:cache_config_info" and out.num_blocks is None:
                 out.num_blocks = _int_label(labels, "num_gpu_blocks")
                 out.block_size = _int_label(labels, "block_size")
@@ -95,4 +96,7 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
                 out.cache_mode = labels.get("mamba_cache_mode")
             elif name == PLUGIN_INFO_METRIC and out.plugin is None:
                 out.plugin = dict(labels)
+    for name, total in sums.items():
+        if name not in overflowed:
+            setattr(out, _SUMMED[name], total)
     return out
