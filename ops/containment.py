@@ -3,9 +3,10 @@
 No files, threads or clock: the watcher (`r9k.ops.watch`) reads the log, hands each event here
 with the card's stored state (read under the state-dir lock) and ``now``, writes what comes back,
 and runs the hooks when told. Every "seen before" question is answered here, in one of two
-places: the card's stored identities (`CardState.seen`: kernel stream positions and saved-log
-record ids), or, while the state dir takes no writes, this object's memory of the records it
-counted and the cards it fenced without saving them.
+places: the stored identities of the card or, for an event no card could be named for, of the
+host (`CardState.seen`, `HostEventsDoc.seen`: kernel stream positions and saved-log record ids),
+or, while the state dir takes no writes, this object's memory of the records it counted and the
+cards it fenced without saving them.
 
 A card is fenced (marked unhealthy) by its first fault while healthy; the hooks run once for that
 change, whether it was saved or contained from memory, and never again for the same change when
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Collection
 
 from r9k.ops.kernlog import KernelEvent
-from r9k.ops.state import CardState, LastEvent, cap_message
+from r9k.ops.state import CardState, HostEventsDoc, LastEvent, cap_message
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,19 @@ class Containment:
             state.unhealthy_since = now
         state.unhealthy_boot_id = self.boot_id
         return Counted(new=True, fenced_now=fenced_now)
+
+    def count_on_host(self, doc: HostEventsDoc, event: KernelEvent, now: float) -> bool:
+        """Apply an event no card could be named for to the host's stored events (changed in
+        place; the caller writes it): counted once by its identity, by type, the latest message
+        kept. True when counted now. A host event fences nothing: there is no card to fence."""
+        if doc.seen(*identity(event)):
+            return False
+        doc.mark_seen(*identity(event))
+        current = doc.events.get(event.type) or {"type": event.type, "message": "", "first_seen": now,
+                                                 "count": 0}
+        current.update(message=cap_message(event.message), count=int(current["count"]) + 1, last_seen=now)
+        doc.events[event.type] = current
+        return True
 
     def count_unsaved(self, event: KernelEvent, fault: bool) -> Counted:
         """The state dir did not take ``event``: count and fence from memory, each record once

@@ -433,13 +433,33 @@ def read_host_events(state_dir: str | os.PathLike) -> list[HostEvent]:
         raise StateFileError(host_events_path(state_dir), str(exc)) from None
 
 
-def record_host_event(state_dir: str | os.PathLike, event_type: str, message: str, stream: str,
-                      ordinal: int, record_id: str | None = None,
-                      on_corrupt: Callable[[str], None] | None = None) -> bool:
-    """Count one unattributed event exactly once (same identity rules as cards); True when new.
-    Written atomically under the state-dir lock, like the card files. A corrupt file is kept
-    aside as ``host-events.json.corrupt-<ns>`` and counting starts over (``on_corrupt`` is told),
-    as for card files: one torn write must not stop the watcher at every later fault."""
+@dataclass
+class HostEventsDoc:
+    """``host-events.json`` as the watcher changes it: events by type (as :class:`HostEvent`
+    fields), and the record identities counted, by the same rules as a card's (`CardState.seen`)."""
+
+    events: dict[str, dict[str, Any]]
+    positions: dict[str, int]
+    seen_ids: list[str]
+    last_seen_ids: list[str] = field(default_factory=list)
+
+    def seen(self, stream: str, ordinal: int, record_id: str | None = None) -> bool:
+        return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
+
+    def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
+        _mark_seen(self.positions, self.last_seen_ids, stream, ordinal, record_id)
+        if record_id is not None:
+            self.seen_ids.append(record_id)
+
+
+def update_host_events(state_dir: str | os.PathLike, change: Callable[[HostEventsDoc], Any],
+                       on_corrupt: Callable[[str], None] | None = None) -> Any:
+    """Read-modify-write ``host-events.json`` under the state-dir lock, as `update_card_state`
+    does a card's: ``change`` gets the document, its result is returned, and the file is written
+    (atomically, the counted record ids appended to ``host-events.seen`` after it) only when the
+    document changed. A corrupt file is kept aside as ``host-events.json.corrupt-<ns>`` and
+    counting starts over (``on_corrupt`` is told): one torn write must not stop the watcher at
+    every later fault."""
     with _locked(state_dir):
         try:
             data = _load_host_file(state_dir)
@@ -452,19 +472,15 @@ def record_host_event(state_dir: str | os.PathLike, event_type: str, message: st
         seen_log = _SeenLog(Path(state_dir) / HOST_SEEN_FILE)
         seen_ids = seen_log.load(data.pop("seen_ids"), data.get("last_seen_ids") or [])
         seen_log.settle()
-        if _seen(data["positions"], seen_ids, stream, ordinal, record_id):
-            return False
-        data["last_seen_ids"] = []
-        _mark_seen(data["positions"], data["last_seen_ids"], stream, ordinal, record_id)
-        now = time.time()
-        current = data["events"].get(event_type)
-        if current is None:
-            current = {"type": event_type, "message": "", "first_seen": now, "count": 0}
-        current.update(message=cap_message(message), count=int(current["count"]) + 1, last_seen=now)
-        data["events"][event_type] = current
+        doc = HostEventsDoc(data["events"], data["positions"], seen_ids)
+        before = json.dumps([doc.events, doc.positions, doc.last_seen_ids])
+        result = change(doc)
+        if json.dumps([doc.events, doc.positions, doc.last_seen_ids]) == before:
+            return result  # nothing counted (a record seen before): write nothing
+        data.update(events=doc.events, positions=doc.positions, last_seen_ids=doc.last_seen_ids)
         atomic_write_json(host_events_path(state_dir), data)
-        seen_log.add(data["last_seen_ids"])
-    return True
+        seen_log.add(doc.last_seen_ids)
+    return result
 
 
 def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:

@@ -43,8 +43,8 @@ from r9k.ops.config import HOOK_CWD, hook_problem
 from r9k.ops.containment import Containment
 from r9k.ops.kernlog import Classifier, KernelEvent, LogLine, parse_journal_json, parse_kmsg_record, parse_text_line
 from r9k.ops.state import (
-    DEFAULT_FAULT_EVENTS, atomic_write_json, beat, cap_message, read_card_states, record_host_event,
-    update_card_state,
+    DEFAULT_FAULT_EVENTS, atomic_write_json, beat, cap_message, read_card_states, update_card_state,
+    update_host_events,
 )
 
 CURSOR_FILE = "watch-cursor.json"
@@ -582,8 +582,7 @@ class Watcher:
         for event, fault in self._unsaved_events:
             if event.bdf is None:
                 try:
-                    record_host_event(self.state_dir, event.type, event.message, event.stream, event.ordinal,
-                                      event.record_id, on_corrupt=self.on_warning)
+                    self._count_on_host(event)
                 except OSError:
                     left.append((event, fault))
             elif self._count_for_card(event, fault, retry=True).unsaved:
@@ -622,9 +621,7 @@ class Watcher:
             item = Seen(event, new=True, fault=fault, host=event.bdf is None)
         elif event.bdf is None:
             try:
-                new = record_host_event(self.state_dir, event.type, event.message, event.stream,
-                                        event.ordinal, event.record_id, on_corrupt=self.on_warning)
-                item = Seen(event, new=new, fault=fault, host=True)
+                item = Seen(event, new=self._count_on_host(event), fault=fault, host=True)
             except OSError as exc:
                 item = Seen(event, new=self.containment.first_unsaved(event), fault=fault, host=True,
                             unsaved=self._unsaved(exc))
@@ -633,6 +630,13 @@ class Watcher:
         if self.on_event:
             self.on_event(item)
         return item
+
+    def _count_on_host(self, event: KernelEvent) -> bool:
+        """Count an event no card could be named for in the host's stored events (OSError when
+        the state dir takes no write); True when counted now."""
+        return update_host_events(self.state_dir,
+                                  lambda doc: self.containment.count_on_host(doc, event, time.time()),
+                                  on_corrupt=self.on_warning)
 
     def _count_for_card(self, event: KernelEvent, fault: bool, retry: bool = False) -> Seen:
         """Count ``event`` on its card's stored state (the core decides, the state dir keeps it);

@@ -492,14 +492,19 @@ def test_expected_and_present_cards_name_the_missing_one(host, tmp_path):
 
 def test_unattributed_host_faults_are_exported_by_type(host, tmp_path):
     """Faults the watcher could not pin on a card are host-level counters, 0 from the start."""
-    from r9k.ops.state import host_events_path, record_host_event
+    from r9k.ops.containment import Containment
+    from r9k.ops.kernlog import KernelEvent
+    from r9k.ops.state import DEFAULT_FAULT_EVENTS, host_events_path, update_host_events
 
     root, state, config = host
     registry = build_registry(build_collector(root, state, config))
     s = scrape(registry)
     assert {val(s, "r9k_host_unattributed_faults_total", event=e) for e in EVENT_TYPES} == {0.0}
-    record_host_event(state, "mes_timeout", "MES failed to respond to msg=REMOVE_QUEUE", "test", 1)
-    record_host_event(state, "mes_timeout", "MES failed to respond to msg=SUSPEND", "test", 2)
+    core = Containment(DEFAULT_FAULT_EVENTS, "boot")
+    for ordinal, message in ((1, "MES failed to respond to msg=REMOVE_QUEUE"),
+                             (2, "MES failed to respond to msg=SUSPEND")):  # as the watcher counts them
+        event = KernelEvent("mes_timeout", None, message, "test", ordinal, "none")
+        assert update_host_events(state, lambda doc: core.count_on_host(doc, event, 1.0)) is True
     s = scrape(registry)
     assert val(s, "r9k_host_unattributed_faults_total", event="mes_timeout") == 2.0
     assert val(s, "r9k_host_unattributed_faults_total", event="ring_timeout") == 0.0

@@ -13,18 +13,19 @@ import copy
 
 from hypothesis import given, settings, strategies as st
 
-from r9k.ops.containment import Containment, identity
+from r9k.ops.containment import Containment, Counted, identity
 from r9k.ops.kernlog import KernelEvent
-from r9k.ops.state import DEFAULT_FAULT_EVENTS, EVENT_TYPES, CardState
+from r9k.ops.state import DEFAULT_FAULT_EVENTS, EVENT_TYPES, CardState, HostEventsDoc
 
 CARDS = ["0000:03:00.0", "0000:04:00.0"]
+HOST = None  # an event no card could be named for
 
 
-def _event(card: str, kind: str, record: tuple, soft: bool = False) -> KernelEvent:
+def _event(card: str | None, kind: str, record: tuple, soft: bool = False) -> KernelEvent:
     stream, ordinal, record_id = record
     detail = {"soft_recovered": True} if soft else {}
-    return KernelEvent(kind, card, f"amdgpu {card}: {kind}", stream, ordinal, "prefix", detail,
-                       record_id=record_id)
+    return KernelEvent(kind, card, f"amdgpu {card}: {kind}", stream, ordinal,
+                       "prefix" if card else "none", detail, record_id=record_id)
 
 
 @st.composite
@@ -32,7 +33,7 @@ def steps(draw):
     """Records as a kernel log holds them (each identity one record: its card, type and text),
     read in log order with re-reads of earlier records mixed in (a restart reads again from
     its cursor), each read with whether the state dir takes writes at that moment."""
-    specs = draw(st.lists(st.tuples(st.sampled_from(CARDS), st.sampled_from(EVENT_TYPES), st.booleans(),
+    specs = draw(st.lists(st.tuples(st.sampled_from(CARDS + [HOST]), st.sampled_from(EVENT_TYPES), st.booleans(),
                                     st.sampled_from(["kmsg", "file"])), min_size=1, max_size=20))
     records, ordinal = [], 0
     for n, (card, kind, soft, source) in enumerate(specs):
@@ -54,12 +55,25 @@ class Watch:
     def __init__(self, fenced_at_start=()):
         self.core = Containment(DEFAULT_FAULT_EVENTS, "boot-1", fenced=fenced_at_start)
         self.store = {c: CardState(bdf=c, healthy=c not in fenced_at_start) for c in CARDS}
+        self.host = HostEventsDoc(events={}, positions={}, seen_ids=[])
         self.unsaved: list[tuple[KernelEvent, bool]] = []
         self.hooks: list[str] = []
         self.saved_new: list[tuple] = []
         self.memory_new: list[tuple] = []
 
     def _count(self, event, fault, store_ok, retry=False):
+        if event.bdf is None:  # the host's events: counted once, never fenced, no hooks
+            if store_ok:
+                doc = copy.deepcopy(self.host)
+                new = self.core.count_on_host(doc, event, now=1.0)
+                self.host = doc
+                if new:
+                    self.saved_new.append((None, identity(event)))
+                return Counted(new=new), True
+            new = self.core.first_unsaved(event)
+            if new:
+                self.memory_new.append((None, identity(event)))
+            return Counted(new=new), False
         if store_ok:
             state = copy.deepcopy(self.store[event.bdf])
             counted = self.core.count(state, event, fault, now=1.0)
@@ -110,6 +124,11 @@ def test_each_record_counts_once_and_each_card_is_fenced_and_hooked_once(reads, 
         # fenced when the watcher started
         assert state.healthy == (not faulted and card not in fenced_at_start)
         assert watch.hooks.count(card) == (1 if faulted and card not in fenced_at_start else 0), watch.hooks
+    # the host's events: each record once, by type; no hooks (no card to fence)
+    host = {r for r in records if r[0] is HOST}
+    assert {t: e["count"] for t, e in watch.host.events.items()} == \
+        {t: n for t in EVENT_TYPES if (n := sum(1 for r in host if r[1] == t))}
+    assert None not in watch.hooks
 
 
 def test_a_soft_recovered_ring_timeout_is_not_a_fault_and_a_hard_one_is():
