@@ -63,7 +63,7 @@ class Containment:
         state.mark_seen(*identity(event))
         if not fault:
             return Counted(new=True)
-        fenced_now = state.healthy
+        fenced_now = bool(state.healthy)
         if fenced_now:
             state.healthy = False
             state.unhealthy_reason = f"{event.type}: {message}"
@@ -78,8 +78,9 @@ class Containment:
         if doc.seen(*identity(event)):
             return False
         doc.mark_seen(*identity(event))
-        current = doc.events.get(event.type) or {"type": event.type, "message": "", "first_seen": now,
-                                                 "count": 0}
+        current = doc.events.get(event.type)
+        if current is None:
+            current = {"type": event.type, "message": "", "first_seen": now, "count": 0}
         current.update(message=cap_message(event.message), count=int(current["count"]) + 1, last_seen=now)
         doc.events[event.type] = current
         return True

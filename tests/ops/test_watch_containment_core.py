@@ -6,7 +6,8 @@ model below stands where the watcher's files are; the decisions are the shipped 
 What must hold: a record is counted at most once in the store and at most once from memory; a
 card is fenced by its first fault and its hooks run once for that, saved or not; a retry that
 saves an event contained from memory runs no hooks; non-faults (and a ring timeout the driver
-recovered from) never fence; a card fenced when the watcher starts gets no hooks again."""
+recovered from) never fence; a card fenced when the watcher starts gets no hooks again. Two tests
+run the real Watcher around the core, where the held event is retried and the hooks called."""
 from __future__ import annotations
 
 import copy
@@ -109,7 +110,6 @@ def test_each_record_counts_once_and_each_card_is_fenced_and_hooked_once(reads, 
     # counted once: in the store, and from memory
     assert len(watch.saved_new) == len(set(watch.saved_new))
     assert len(watch.memory_new) == len(set(watch.memory_new))
-    assert not watch.unsaved  # all saved once the store takes writes again
     records = {r for r, _ in reads}
     for card in CARDS:
         state = watch.store[card]
@@ -124,11 +124,10 @@ def test_each_record_counts_once_and_each_card_is_fenced_and_hooked_once(reads, 
         # fenced when the watcher started
         assert state.healthy == (not faulted and card not in fenced_at_start)
         assert watch.hooks.count(card) == (1 if faulted and card not in fenced_at_start else 0), watch.hooks
-    # the host's events: each record once, by type; no hooks (no card to fence)
+    # the host's events: each record once, by type
     host = {r for r in records if r[0] is HOST}
     assert {t: e["count"] for t, e in watch.host.events.items()} == \
         {t: n for t in EVENT_TYPES if (n := sum(1 for r in host if r[1] == t))}
-    assert None not in watch.hooks
 
 
 def test_a_soft_recovered_ring_timeout_is_not_a_fault_and_a_hard_one_is():
@@ -156,3 +155,72 @@ def test_a_fault_saved_after_it_was_contained_from_memory_runs_no_hooks_again():
     other = _event(CARDS[0], "reset_failed", ("kmsg:b", 8, None))
     again = core.count(state, other, True, 4.0)               # a second fault: already fenced
     assert again.new and not again.fenced_now and not core.hooks_due(event, again)
+
+
+# -- the watcher's glue around the core: a real Watcher over a log file and a real state dir --
+
+def _watcher(tmp_path, hooks):
+    from doubles.ops_host import CardSpec, build_host_tree
+    from r9k.ops.watch import FileSource, Watcher
+
+    host = build_host_tree(tmp_path / "host", [CardSpec(CARDS[0])])
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    return Watcher(FileSource(log), tmp_path / "state", host_root=host, hooks=hooks,
+                   hook_timeout_s=10, on_warning=lambda _: None), log
+
+
+def _mes(card, t):
+    return f"[ {t:7.1f}] amdgpu {card}: amdgpu: MES failed to respond to msg=REMOVE_QUEUE\n"
+
+
+def test_hooks_run_once_when_the_state_dir_takes_the_fault_only_later(tmp_path, monkeypatch):
+    """A fault read while the state dir takes no writes is fenced from memory (hooks run); when
+    the dir takes writes again the held event is saved at the next poll, the card file says
+    fenced, and the hooks do not run a second time."""
+    import errno
+
+    import r9k.ops.state as state_mod
+    from r9k.ops.state import read_card_state
+
+    hook = tmp_path / "hook.sh"
+    marks = tmp_path / "marks"
+    hook.write_text(f'#!/bin/sh\necho "$R9K_BDF" >> {marks}\n')
+    hook.chmod(0o755)
+    watcher, log = _watcher(tmp_path, [["/bin/sh", str(hook)]])
+    real = state_mod.atomic_write_json
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state_mod, "atomic_write_json", full)
+    log.write_text(_mes(CARDS[0], 1.0))
+    first = watcher.poll()
+    assert [(s.new, s.fenced_now, bool(s.unsaved)) for s in first] == [(True, True, True)]
+    watcher.wait_for_hooks(10)
+    monkeypatch.setattr(state_mod, "atomic_write_json", real)
+    with open(log, "a") as fh:
+        fh.write("[    2.0] amdgpu 0000:03:00.0: amdgpu: GPU reset begin!\n")
+    second = watcher.poll()   # saves the held MES event first, then counts the reset
+    assert [(s.event.type, s.new, s.fenced_now) for s in second] == [("reset_begin", True, False)]
+    watcher.wait_for_hooks(10)
+    state = read_card_state(tmp_path / "state", CARDS[0])
+    assert not state.healthy and state.counts["mes_timeout"] == 1 and state.counts["reset_begin"] == 1
+    assert marks.read_text().splitlines() == [CARDS[0]]  # once, from memory; not again when saved
+
+
+def test_without_hooks_a_card_fenced_from_memory_is_fenced_once(tmp_path, monkeypatch):
+    """No hooks configured, the state dir full: the first fault fences the card from memory and
+    a second fault of the same card does not fence it again."""
+    import errno
+
+    import r9k.ops.state as state_mod
+
+    watcher, log = _watcher(tmp_path, [])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state_mod, "atomic_write_json", full)
+    log.write_text(_mes(CARDS[0], 1.0) + _mes(CARDS[0], 2.0))
+    assert [(s.new, s.fenced_now) for s in watcher.poll()] == [(True, True), (True, False)]
