@@ -224,3 +224,35 @@ def test_without_hooks_a_card_fenced_from_memory_is_fenced_once(tmp_path, monkey
     monkeypatch.setattr(state_mod, "atomic_write_json", full)
     log.write_text(_mes(CARDS[0], 1.0) + _mes(CARDS[0], 2.0))
     assert [(s.new, s.fenced_now) for s in watcher.poll()] == [(True, True), (True, False)]
+
+
+def test_host_events_are_written_when_counted_and_never_for_a_record_seen_before(tmp_path):
+    """The storage under the core: `update_host_events` writes host-events.json (and appends a
+    saved log's record id to host-events.seen) only when the core counted something; a record
+    read again writes nothing, byte for byte."""
+    from r9k.ops.state import HOST_SEEN_FILE, host_events_path, read_host_events, update_host_events
+
+    core = Containment(DEFAULT_FAULT_EVENTS, "boot-1")
+    state = tmp_path / "state"
+    state.mkdir()
+    kmsg = _event(HOST, "ring_timeout", ("kmsg:boot-a", 5, None))
+    saved_log = _event(HOST, "mes_timeout", ("file:/var/log/kern.log", 1, "id-1"))
+
+    def count(event, now):
+        return update_host_events(state, lambda doc: core.count_on_host(doc, event, now))
+
+    assert count(kmsg, 10.0) is True and count(saved_log, 11.0) is True
+    written = host_events_path(state).read_bytes()
+    seen = (state / HOST_SEEN_FILE).read_bytes()
+    assert seen == b"id-1\n"
+    mtime = host_events_path(state).stat().st_mtime_ns
+    assert count(kmsg, 20.0) is False and count(saved_log, 21.0) is False
+    assert host_events_path(state).read_bytes() == written and (state / HOST_SEEN_FILE).read_bytes() == seen
+    assert host_events_path(state).stat().st_mtime_ns == mtime
+    events = {e.type: e for e in read_host_events(state)}
+    assert (events["ring_timeout"].count, events["mes_timeout"].count) == (1, 1)
+    assert events["ring_timeout"].first_seen == events["ring_timeout"].last_seen == 10.0
+    # a later record on the same stream counts, and moves last_seen only
+    assert count(_event(HOST, "ring_timeout", ("kmsg:boot-a", 6, None)), 30.0) is True
+    ring = {e.type: e for e in read_host_events(state)}["ring_timeout"]
+    assert (ring.count, ring.first_seen, ring.last_seen) == (2, 10.0, 30.0)
