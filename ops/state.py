@@ -82,8 +82,25 @@ class LastEvent:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+class _CountedRecords:
+    """The record identities a state file counted (``positions``, ``seen_ids``,
+    ``last_seen_ids``), one rule for cards and host events: exactly once."""
+
+    positions: dict[str, int]
+    seen_ids: list[str]
+    last_seen_ids: list[str]
+
+    def seen(self, stream: str, ordinal: int, record_id: str | None = None) -> bool:
+        return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
+
+    def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
+        _mark_seen(self.positions, self.last_seen_ids, stream, ordinal, record_id)
+        if record_id is not None:
+            self.seen_ids.append(record_id)
+
+
 @dataclass
-class CardState:
+class CardState(_CountedRecords):
     """What ops knows about one card. ``healthy`` False means: fenced, do not place work on it."""
 
     bdf: str
@@ -136,14 +153,6 @@ class CardState:
         if self.healthy or self.unhealthy_boot_id is None or self.unhealthy_boot_id != current_boot_id:
             return False
         return not (self.last_event and self.last_event.type == "reset_succeeded")
-
-    def seen(self, stream: str, ordinal: int, record_id: str | None = None) -> bool:
-        return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
-
-    def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
-        _mark_seen(self.positions, self.last_seen_ids, stream, ordinal, record_id)
-        if record_id is not None:
-            self.seen_ids.append(record_id)
 
 
 def _seen(positions: dict[str, int], seen_ids: list[str], stream: str, ordinal: int,
@@ -434,22 +443,15 @@ def read_host_events(state_dir: str | os.PathLike) -> list[HostEvent]:
 
 
 @dataclass
-class HostEventsDoc:
+class HostEventsDoc(_CountedRecords):
     """``host-events.json`` as the watcher changes it: events by type (as :class:`HostEvent`
-    fields), and the record identities counted, by the same rules as a card's (`CardState.seen`)."""
+    fields), and the record identities counted, by the same rule as a card's."""
 
     events: dict[str, dict[str, Any]]
     positions: dict[str, int]
     seen_ids: list[str]
     last_seen_ids: list[str] = field(default_factory=list)
 
-    def seen(self, stream: str, ordinal: int, record_id: str | None = None) -> bool:
-        return _seen(self.positions, self.seen_ids, stream, ordinal, record_id)
-
-    def mark_seen(self, stream: str, ordinal: int, record_id: str | None = None) -> None:
-        _mark_seen(self.positions, self.last_seen_ids, stream, ordinal, record_id)
-        if record_id is not None:
-            self.seen_ids.append(record_id)
 
 
 def update_host_events(state_dir: str | os.PathLike, change: Callable[[HostEventsDoc], Any],

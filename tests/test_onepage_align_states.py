@@ -58,6 +58,15 @@ def _metadata(world) -> dict[str, torch.Tensor]:
             for name, col, dt in zip(cpu_align.STATE_META, zip(*rows), dtypes)}
 
 
+def _tracked(align, world):
+    """The layers and groups registered as the one-page metadata builders register them."""
+    for layers in world:
+        for layer in layers:
+            align.track_layer(layer)
+        align.track_group([layer.prefix for layer in layers])
+    return world
+
+
 @pytest.fixture
 def align():
     oa.reset()
@@ -73,11 +82,7 @@ def align():
 ])
 def test_the_replay_gets_each_one_page_ssm_state_and_the_stock_copy_the_rest(
         align, groups, positions, heads, num_spec):
-    world = _world(groups, positions, heads, num_spec)
-    for layers in world:
-        for layer in layers:
-            align.track_layer(layer)
-        align.track_group([layer.prefix for layer in layers])
+    world = _tracked(align, _world(groups, positions, heads, num_spec))
     meta = _metadata(world)
     addrs = meta["state_base_addrs_ptr"].tolist()
 
@@ -108,11 +113,7 @@ def test_the_replay_gets_each_one_page_ssm_state_and_the_stock_copy_the_rest(
 
 
 def test_a_metadata_order_the_plugin_does_not_know_is_refused(align):
-    world = _world(2, 2, GdnHeads(2, 4, 64, 64), 3)
-    for layers in world:
-        for layer in layers:
-            align.track_layer(layer)
-        align.track_group([layer.prefix for layer in layers])
+    world = _tracked(align, _world(2, 2, GdnHeads(2, 4, 64, 64), 3))
     meta = _metadata(world)
     swapped = meta["state_base_addrs_ptr"].clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # a layer's SSM state listed before its conv window

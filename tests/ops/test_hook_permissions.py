@@ -4,11 +4,13 @@ mode is tried (a property test), not only the world-writable one: a group-writab
 much a privilege escalation as a world-writable one."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -21,8 +23,13 @@ OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 modes = st.integers(min_value=0, max_value=0o7777).filter(lambda m: m & stat.S_IRUSR)  # root reads
 
 
-def _root_only_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="r9k-hooks-"))  # root-owned, 0700
+@contextlib.contextmanager
+def _root_only_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="r9k-hooks-"))  # root-owned, 0700
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
 
 
 def _load_or_reason(path: Path) -> str | None:
@@ -36,27 +43,23 @@ def _load_or_reason(path: Path) -> str | None:
 @settings(max_examples=80, deadline=None)
 @given(mode=modes, uid=st.sampled_from([0, 0, 1000]))
 def test_a_config_with_hooks_loads_only_when_root_alone_can_write_it(mode, uid):
-    d = _root_only_dir()
-    try:
+    with _root_only_dir() as d:
         cfg = d / "ops.yaml"
         cfg.write_text("hooks: [/bin/true]\n")
         os.chown(cfg, uid, 0)
         os.chmod(cfg, mode)
         reason = _load_or_reason(cfg)
-        if uid == 0 and not mode & OTHERS_WRITE:
-            assert reason is None
-        else:
-            assert reason is not None and "writable by someone other than root" in reason
-            assert f"owner uid {uid}" in reason and stat.filemode(stat.S_IFREG | mode) in reason
-    finally:
-        shutil.rmtree(d)
+    if uid == 0 and not mode & OTHERS_WRITE:
+        assert reason is None
+    else:
+        assert reason is not None and "writable by someone other than root" in reason
+        assert f"owner uid {uid}" in reason and stat.filemode(stat.S_IFREG | mode) in reason
 
 
 @settings(max_examples=60, deadline=None)
 @given(mode=modes.filter(lambda m: m & stat.S_IXUSR), uid=st.sampled_from([0, 0, 1000]))
 def test_a_hook_program_is_accepted_only_when_root_alone_can_write_it(mode, uid):
-    d = _root_only_dir()
-    try:
+    with _root_only_dir() as d:
         hook = d / "drain.sh"
         hook.write_text("#!/bin/sh\nexit 0\n")
         os.chown(hook, uid, 0)
@@ -65,13 +68,11 @@ def test_a_hook_program_is_accepted_only_when_root_alone_can_write_it(mode, uid)
         cfg.write_text(f"hooks: [{hook}]\n")
         os.chmod(cfg, 0o644)
         reason = _load_or_reason(cfg)
-        if uid == 0 and not mode & OTHERS_WRITE:
-            assert reason is None
-        else:
-            assert reason is not None and "drain.sh" in reason
-            assert "writable by group or others or not root-owned" in reason
-    finally:
-        shutil.rmtree(d)
+    if uid == 0 and not mode & OTHERS_WRITE:
+        assert reason is None
+    else:
+        assert reason is not None and "drain.sh" in reason
+        assert "writable by group or others or not root-owned" in reason
 
 
 def test_a_group_writable_config_with_hooks_is_refused_and_without_hooks_is_read(tmp_path):
