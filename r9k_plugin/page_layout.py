@@ -48,7 +48,12 @@ def mamba_groups_reason(num_ple_layers: int, prefix_caching: bool) -> str | None
     Qwen4Exp's PLE short conv is vLLM's layer and keeps 1 + k pages; one-page GDN groups keep 1.
     Under prefix caching vLLM's V1 and V2 runners stop at start unless every mamba group keeps
     the same speculative pages ("all mamba groups must share cache scheduling parameters", seen
-    on the CUDA engine); without it they run (and were token-identical to stock)."""
+    on the CUDA engine); without it they run (and were token-identical to stock).
+
+    Giving the PLE layer no speculative pages instead is not bit-identical: vLLM's short conv
+    passes the width of its state-index rows (1 + speculative pages) to `causal_conv1d_update` as
+    max_query_len, which sizes the conv window the kernel rewrites (NP2_STATELEN), so one column
+    would write back next_power_of_2(width - 1) of the width - 1 + k rows the next step reads."""
     if num_ple_layers > 0 and prefix_caching:
         return ("Qwen4Exp's PLE layers with prefix caching: vLLM's runners need every mamba "
                 "group to keep the same speculative pages and the PLE short conv keeps stock's "

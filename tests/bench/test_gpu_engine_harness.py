@@ -652,3 +652,42 @@ def test_results_carry_the_date_and_the_plugin_source_from_the_stage(ge, tmp_pat
     assert ge.provenance_line({"date": "2026-12-05", "commit": "8451c50"}) == \
         "Ran 2026-12-05; 8451c50."
     assert "Ran 2026-12-06; plugin wheel from" in ge.markdown([], dict(p, date="2026-12-06"))
+
+
+def test_an_engine_onepage_cannot_serve_is_held_to_stock_pages(ge, tmp_path, monkeypatch):
+    """Qwen4Exp's PLE layers under prefix caching: the planner says one-page cannot serve it,
+    so the harness expects the one-page engine on stock pages with stock's tokens and block (the
+    plugin's policy decides from the same rule) and fails it if it reports one-page pages."""
+    monkeypatch.setattr(ge, "platform", lambda: "gpu")
+    arch, sets = ge.model_recipe("q4exp-27b")
+    make_tiny(tmp_path / "q4", overrides=parse_overrides(sets), arch=arch)
+    pcon = next(c for c in ge.architectures() if c.model == "q4exp-27b")
+    assert pcon.prefix_caching
+    kv = ge.pool_bytes(tmp_path / "q4", pcon)
+    plan = ge.planner(tmp_path / "q4", pcon, kv)
+    assert plan["onepage"]["page_mode"] == "stock" and "PLE" in plan["onepage"]["unservable"]
+    assert (plan["onepage"]["tokens"], plan["onepage"]["block"]) == (
+        plan["stock"]["tokens"], plan["stock"]["block"])
+    pcoff = dataclasses.replace(pcon, prefix_caching=False)
+    off = ge.planner(tmp_path / "q4", pcoff, ge.pool_bytes(tmp_path / "q4", pcoff))
+    assert off["onepage"]["page_mode"] == "onepage" and off["onepage"]["unservable"] is None
+    assert off["onepage"]["tokens"] > off["stock"]["tokens"]
+
+    def kept(r):
+        r.update(planner_page_mode="stock", planner_unservable=plan["onepage"]["unservable"])
+        r["plugin"]["page_mode"] = "stock"
+        r["engine"]["block_size"] = 160
+
+    (row,) = ge.summarize(list(_cell(onepage=kept).values()))
+    assert row["ok"] and row["expected_page_mode"] == "stock"
+    md = ge.markdown([row], {"command": "x"})
+    assert f"- {row['cell']}: Qwen4Exp's PLE layers with prefix caching" in md
+    assert "the one-page engine's page mode: stock" in md
+
+    def claimed(r):  # the planner said stock pages, the engine kept one-page's
+        r.update(planner_page_mode="stock", planner_unservable="x")
+
+    (row,) = ge.summarize(list(_cell(onepage=claimed).values()))
+    assert not row["ok"]
+    (row,) = ge.summarize(list(_cell().values()))  # a servable engine on one-page pages
+    assert row["ok"] and row["expected_page_mode"] == "onepage"
