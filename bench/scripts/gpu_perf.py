@@ -271,7 +271,10 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
     """Per load: each mode's figures (mean over repeats), one-page/stock per repeat pair (mean,
     min, max), requests running against the planner's whole-request count."""
     ok = [e for e in engines if e["ok"]]
-    by = {m: {e["repeat"]: e for e in ok if e["mode"] == m} for m in ("stock", "onepage")}
+    ref = stock_arm(meta)
+    # the tables' "stock" is the stock arm one-page is compared with (`stock_arm`)
+    by = {m: {e["repeat"]: e for e in ok if e["mode"] == (ref if m == "stock" else m)}
+          for m in ("stock", "onepage")}
     pairs = sorted(set(by["stock"]) & set(by["onepage"]))
     rows = []
     for name in [f"c{c}" for c in meta["sweep"]]:
@@ -319,7 +322,7 @@ def summarize(meta: dict[str, Any], engines: list[dict[str, Any]]) -> dict[str, 
                      "joules_per_token_ratio": {"mean": statistics.mean(joules), "min": min(joules),
                                                 "max": max(joules), "pairs": len(joules)}
                      if joules else None})
-    return {"rows": rows, "planner": meta["planner"],
+    return {"rows": rows, "planner": meta["planner"], "stock_arm": ref,
             "kv_engine": {m: sorted({e["kv_cache_tokens"] for e in by[m].values()}) for m in by},
             # every arm that ran (its engines are recorded under the arm's name)
             "accepted_drafts_per_step": {a: accepted_per_step(
@@ -340,6 +343,14 @@ def accepted_per_step(hists: list[list[int]]) -> float | None:
 
 def _spread(xs: list[float]) -> dict[str, float] | None:
     return {"mean": statistics.mean(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def stock_arm(meta: dict[str, Any]) -> str:
+    """The stock arm the main tables (throughput, steps, energy) compare one-page with: vLLM's
+    default stock where it ran, else stock pages at one-page's block size (`stock-blk`, the
+    same token stream under prefix caching)."""
+    arms = meta.get("arms") or ["stock", "onepage"]
+    return "stock" if "stock" in arms or "stock-blk" not in arms else "stock-blk"
 
 
 def arms_summary(meta: dict[str, Any], ok: list[dict[str, Any]]) -> dict[str, Any]:
@@ -392,7 +403,10 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            f"{meta['output_tokens']} generated. KV pool {meta['kv_cache_memory_bytes'] / MIB:.0f} "
            f"MiB: planner stock {pl['stock']['tokens']:,} tokens ({pl['stock']['whole_requests']} "
            f"whole requests of max_model_len), one-page {pl['onepage']['tokens']:,} "
-           f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}. "
+           f"({pl['onepage']['whole_requests']}); engines logged {summary['kv_engine']}"
+           + ("" if summary.get("stock_arm", "stock") == "stock" else
+              f" (stock: the `{summary['stock_arm']}` arm, stock pages at one-page's block size; "
+              "the planner's stock column is vLLM's default block)") + ". "
            f"max_num_seqs: {meta.get('max_num_seqs', 'concurrency')}; at least "
            f"{meta.get('requests_per_point', 4)} requests per point. MTP drafts accepted per "
            f"request step (of {meta['k']}, over every step of the loads): "

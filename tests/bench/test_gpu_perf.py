@@ -129,6 +129,17 @@ def test_joules_per_token_per_load_and_the_paired_ratio(gp, tmp_path):
     assert "| 16 | 500 / 500 | 0.8631 / 0.5754 | 0.667 (0.667-0.667, 2 pairs) | 1.2 / 1.7 |" in md
     gp.plot(s, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    # one-page against stock pages at its block size (`--arms stock-blk,onepage`): the same
+    # tables, the stock columns from that arm, and the summary says which stock it is
+    blk = [dict(e, mode="stock-blk" if e["mode"] == "stock" else e["mode"]) for e in engines]
+    blk_meta = dict(meta, arms=["stock-blk", "onepage"])
+    sb = gp.summarize(blk_meta, blk)
+    assert sb["stock_arm"] == "stock-blk" and sb["rows"] == s["rows"]
+    md_blk = gp.markdown(sb, blk_meta)
+    assert "| 16 | 500 / 500 | 0.8631 / 0.5754 | 0.667 (0.667-0.667, 2 pairs) | 1.2 / 1.7 |" in md_blk
+    assert "(stock: the `stock-blk` arm" in md_blk and "(stock: the" not in md
+    with_both = dict(meta, arms=["stock", "stock-blk", "onepage"])  # vLLM's default kept first
+    assert gp.summarize(with_both, engines + blk[:1])["stock_arm"] == "stock"
     for e in engines:   # a run without NVML: said so, no table
         for x in e["loads"].values():
             x.update(energy_j=None, joules_per_output_token=None)
