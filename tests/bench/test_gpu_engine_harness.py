@@ -200,12 +200,12 @@ def test_forced_pool_needs_the_same_preemptions_and_reports_the_rerun(ge):
     assert "again: 1 differ" in ge.markdown([row], {"command": "x"})
 
 
-def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
+def test_modes_repeat_and_forced_engine_spec(ge, tmp_path, capsys):
     pcon = ge.Cell("v2", "fap", True, 7, "fp32", "gdn27b")
     assert ge.modes(pcon, repeat=True) == ("stock", "onepage", ge.CONTROL, ge.AGAIN)
     assert ge.reference(True) == ge.CONTROL and ge.reference(False) == "stock"
     spec = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, pool="forced",
-                          prefix_block=448)
+                          prefix_block=448, autotune="first")
     assert spec.engine_kwargs["scheduler_cls"] == ge.FORCED_SCHEDULER
     assert spec.env["R9K_FORCED_PREEMPT_AFTER_TOKENS"] == str(ge.FORCED_AFTER_TOKENS)
     assert spec.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
@@ -213,9 +213,14 @@ def test_modes_repeat_and_forced_engine_spec(ge, tmp_path):
                            autotune="vllm")
     assert "scheduler_cls" not in plain.engine_kwargs
     assert "VLLM_TRITON_FORCE_FIRST_CONFIG" not in plain.env
-    # "pinned": Inductor times nothing on the device either (engines compiling at once keep the
-    # same reduction configs); the default "first" pins Triton's autotuners only
-    pinned = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04, autotune="pinned")
+    # "pinned", the default: Inductor times nothing on the device either (engines compiling at
+    # once keep the same reduction configs); "first" pins Triton's autotuners only
+    pinned = ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04)
+    assert pinned.env == ge.engine_spec(pcon, "onepage", tmp_path, 1 << 30, 0.04,
+                                        autotune="pinned").env
+    with pytest.raises(SystemExit):  # the command line's default is the same
+        ge.main(["run", "--help"])
+    assert "pinned (default)" in " ".join(capsys.readouterr().out.split())
     assert pinned.env["VLLM_TRITON_FORCE_FIRST_CONFIG"] == "1"
     assert pinned.env["TORCHINDUCTOR_DETERMINISTIC"] == "1"
     assert pinned.env["VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE"] == "0"
