@@ -249,7 +249,7 @@ class FleetController(Backend):
             if isinstance(a, Note):
                 r.event(a.text)
             elif isinstance(a, Fail):
-                self._spawn(r, self._fail(r, a.reason))
+                self._spawn(r, self._fail(r, a.reason, a.verdict))
             else:
                 raise TypeError(f"{r.name}: {a!r} must be awaited (_carry_out), not noted")
 
@@ -312,8 +312,8 @@ class FleetController(Backend):
         if self.pool is not None:
             self.pool.release(r.name)
 
-    async def _fail(self, r: Replica, reason: str) -> None:
-        await self._carry_out(r, r.lc.fail(time.monotonic(), reason))
+    async def _fail(self, r: Replica, reason: str, verdict: str | None = None) -> None:
+        await self._carry_out(r, r.lc.fail(time.monotonic(), reason, verdict))
 
     async def _replace(self, r: Replica, why: str) -> None:
         assert self.pool is not None
@@ -544,7 +544,8 @@ class FleetController(Backend):
             state=lc.state if lc.state != STOPPED else None,
             cards=list(r.assignment.cards) if r.assignment else [],
             host=r.assignment.host if r.assignment else None,
-            reason=lc.reason, page_reason=proof.reason if proof else None, kv=proof,
+            reason=lc.reason, verdict=lc.verdict,
+            page_reason=proof.reason if proof else None, kv=proof,
             starts=lc.starts, restarts=lc.restarts, failures=lc.failures,
             outstanding=r.route.outstanding if r.route else 0,
             served=r.route.served if r.route else 0,

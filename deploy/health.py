@@ -13,6 +13,17 @@ from dataclasses import dataclass
 from r9k.vllm_metrics import VllmMetrics
 
 
+# The kinds of verdict (typed, so readers such as the exporter never parse the words)
+EXITED, NO_HEARTBEAT, HUNG = "exited", "no_heartbeat", "hung"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a ready replica is unhealthy: its kind and the words for people."""
+    kind: str
+    text: str
+
+
 @dataclass
 class HealthLimits:
     heartbeat_timeout_s: float
@@ -21,7 +32,7 @@ class HealthLimits:
 
 
 class ReadyHealth:
-    """Verdict for a ready replica; ``observe`` returns None (healthy) or why it is unhealthy."""
+    """Verdict for a ready replica; ``observe`` returns None (healthy) or a :class:`Verdict`."""
 
     def __init__(self, limits: HealthLimits, ready_at: float) -> None:
         self.limits = limits
@@ -31,13 +42,13 @@ class ReadyHealth:
         self.progress_at = ready_at      # last time tokens moved or nothing was queued
 
     def observe(self, now: float, *, alive: bool, heartbeat_ok: bool,
-                counters: VllmMetrics | None, in_flight: int) -> str | None:
+                counters: VllmMetrics | None, in_flight: int) -> Verdict | None:
         if not alive:
-            return "engine process exited"
+            return Verdict(EXITED, "engine process exited")
         if heartbeat_ok:
             self.last_heartbeat = now
         elif now - self.last_heartbeat > self.limits.heartbeat_timeout_s:
-            return f"no heartbeat (/health) for {now - self.last_heartbeat:.0f} s"
+            return Verdict(NO_HEARTBEAT, f"no heartbeat (/health) for {now - self.last_heartbeat:.0f} s")
         if counters is None or counters.generation_tokens is None:
             return None  # metrics unreadable this time: the heartbeat layer decides
         queued = in_flight + (counters.running or 0) + (counters.waiting or 0)
@@ -48,8 +59,9 @@ class ReadyHealth:
             return None
         stalled = now - self.progress_at
         if stalled > self.limits.progress_timeout_s:
-            return (f"hung: {queued:.0f} request(s) queued or running and no new token for "
-                    f"{stalled:.0f} s (generation_tokens_total stuck at {counters.generation_tokens:.0f})")
+            return Verdict(HUNG, f"hung: {queued:.0f} request(s) queued or running and no new "
+                                 f"token for {stalled:.0f} s (generation_tokens_total stuck at "
+                                 f"{counters.generation_tokens:.0f})")
         return None
 
 

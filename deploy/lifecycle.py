@@ -42,6 +42,7 @@ class Note:
 class Fail:
     """The replica is unhealthy: run :meth:`ReplicaLifecycle.fail` in the replica's own task."""
     reason: str
+    verdict: str | None = None   # the health verdict's kind (r9k.deploy.health), if one said so
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class ReplicaLifecycle:
                                    health.grace_after_ready_s)
         self.max_page_failures = max_page_failures
         self.state = STOPPED
-        self.reason: str | None = None
+        self._reason: str | None = None
+        self.verdict: str | None = None  # the health verdict's kind, while its reason stands
         self.starts = 0                # engine starts
         self.restarts = 0              # starts after a failure or a rolling restart
         self.failures = 0              # consecutive failures (reset once ready for stable_after_s)
@@ -179,7 +181,16 @@ class ReplicaLifecycle:
         assert self.ready_health is not None
         verdict = self.ready_health.observe(now, alive=True, heartbeat_ok=obs.heartbeat_ok,
                                             counters=obs.counters, in_flight=obs.in_flight)
-        return [Fail(verdict)] if verdict else []
+        return [Fail(verdict.text, verdict.kind)] if verdict else []
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    @reason.setter
+    def reason(self, value: str | None) -> None:
+        # a new reason ends the verdict that came with the old one (`fail` sets it again)
+        self._reason, self.verdict = value, None
 
     def _observe_loading(self, now: float, obs: Observation) -> list[Action]:
         assert self.started_at is not None
@@ -203,13 +214,15 @@ class ReplicaLifecycle:
 
     # -- failure and restart ----------------------------------------------------------------------
 
-    def fail(self, now: float, reason: str) -> list[Action]:
+    def fail(self, now: float, reason: str, verdict: str | None = None) -> list[Action]:
         """Unhealthy: kill the engine; restart on the same cards after the backoff, unless the
-        plugin is proven not to load (a restart would run stock pages again)."""
+        plugin is proven not to load (a restart would run stock pages again). `verdict`: the
+        health verdict's kind that said so, kept while this reason stands."""
         if self.ready_at is not None and now - self.ready_at > self.health.stable_after_s:
             self.failures = 0
         self.failures += 1
         self.state, self.reason = UNHEALTHY, reason
+        self.verdict = verdict
         actions: list[Action] = [Note(f"unhealthy: {reason}"), KillEngine()]
         if self.page_failed:
             return actions + [Note(f"not restarted: the page proof failed {self.page_failures} times")]

@@ -30,9 +30,9 @@ from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
-# How deploy's health check words its token-progress verdict (deploy/health.py), the reason the
-# fleet reports until it restarts the engine.
-HUNG_REASON_PREFIX = "hung:"
+# deploy's token-progress verdict (r9k.deploy.health.HUNG), which the fleet reports as the
+# replica's `verdict` until it restarts the engine (monitoring does not import deploy)
+HUNG_VERDICT = "hung"
 PINNED_KINDS = ("gdn", "attention", "ple")  # ple: Qwen4Exp's short-conv pages (0 elsewhere)
 DEFAULT_TIMEOUT_S = 2.0
 # The whole replica phase (fleet status and every replica) ends by this deadline, so hung replicas
@@ -408,7 +408,7 @@ class ReplicaCollector:
                 for s in REPLICA_STATES:
                     state.add_metric(labels + [s], 1.0 if s == r.desc.state else 0.0)
                 if isinstance(r.desc, ReplicaStatus):
-                    hung.add_metric(labels, 1.0 if (r.desc.reason or "").startswith(HUNG_REASON_PREFIX) else 0.0)
+                    hung.add_metric(labels, 1.0 if r.desc.verdict == HUNG_VERDICT else 0.0)
             m = r.metrics
             for family, value in ((running, m.running), (waiting, m.waiting), (usage, m.kv_usage_ratio),
                                   (preempt, m.preemptions), (tokens, m.generation_tokens), (blocks, m.num_blocks),

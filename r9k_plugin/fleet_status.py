@@ -83,6 +83,9 @@ class ReplicaStatus(ReplicaDescription):
 
     url: str | None = None                    # None: stopped, not routed
     reason: str | None = None                 # the lifecycle's last reason
+    # the health verdict's kind while that reason stands (r9k.deploy.health: exited,
+    # no_heartbeat, hung): typed, so readers need not parse the reason's words
+    verdict: str | None = None
     page_reason: str | None = None            # why stock pages, or why the page proof failed
     kv: PageProof | None = None
     starts: int = Field(default=0, ge=0)

@@ -7,7 +7,8 @@ import pytest
 
 from r9k import capacity
 from r9k.deploy.engine import prove_pages
-from r9k.deploy.health import HealthLimits, ReadyHealth, restart_backoff_s
+from r9k.deploy.health import (EXITED, HUNG, NO_HEARTBEAT, HealthLimits, ReadyHealth, Verdict,
+                               restart_backoff_s)
 from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 LIMITS = HealthLimits(heartbeat_timeout_s=10, progress_timeout_s=30, grace_after_ready_s=20)
@@ -25,7 +26,8 @@ def test_progress_hang_needs_queued_work_and_stuck_tokens():
     assert obs(h, 201, 50, running=2) is None            # work arrives; last progress seen at 200
     assert obs(h, 230, 50, running=2) is None            # 29 s
     why = obs(h, 232, 50, running=2)
-    assert why.startswith("hung: 2 request(s) queued or running and no new token for 32 s")
+    assert why.kind == HUNG
+    assert why.text.startswith("hung: 2 request(s) queued or running and no new token for 32 s")
 
 
 def test_tokens_moving_or_router_in_flight_count():
@@ -34,23 +36,23 @@ def test_tokens_moving_or_router_in_flight_count():
         assert obs(h, t, t * 3, running=8) is None       # busy but making tokens
     # vLLM's gauges are stale when its engine core is stopped: the router's own count still says queued
     assert obs(h, 300, 900, in_flight=1) is None
-    assert obs(h, 331, 900, in_flight=1).startswith("hung: 1 request(s)")
+    assert obs(h, 331, 900, in_flight=1).text.startswith("hung: 1 request(s)")
 
 
 def test_grace_after_ready_suppresses_progress_verdict():
     h = ReadyHealth(HealthLimits(10, 5, grace_after_ready_s=60), ready_at=0)
     assert obs(h, 1, 0, waiting=3) is None
     assert obs(h, 40, 0, waiting=3) is None              # stuck 39 s but within grace
-    assert obs(h, 61, 0, waiting=3).startswith("hung")
+    assert obs(h, 61, 0, waiting=3).kind == HUNG
 
 
 def test_heartbeat_timeout_and_process_exit():
     h = ReadyHealth(LIMITS, ready_at=0)
     assert obs(h, 5, 0, heartbeat=False) is None
     assert obs(h, 10, 0, heartbeat=False) is None
-    assert obs(h, 11, 0, heartbeat=False) == "no heartbeat (/health) for 11 s"
+    assert obs(h, 11, 0, heartbeat=False) == Verdict(NO_HEARTBEAT, "no heartbeat (/health) for 11 s")
     assert ReadyHealth(LIMITS, 0).observe(1, alive=False, heartbeat_ok=True, counters=None,
-                                          in_flight=0) == "engine process exited"
+                                          in_flight=0) == Verdict(EXITED, "engine process exited")
     assert ReadyHealth(LIMITS, 0).observe(100, alive=True, heartbeat_ok=True, counters=None,
                                           in_flight=5) is None  # unreadable metrics decide nothing
 

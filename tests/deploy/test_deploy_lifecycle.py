@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from r9k.deploy.config import HealthSpec
 from r9k.deploy.engine import PageProof
 from r9k.deploy.lifecycle import (DRAINING, LOADING, READY, STOPPED, UNHEALTHY, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)
+from r9k.deploy.health import HUNG, NO_HEARTBEAT
 from r9k.vllm_metrics import VllmMetrics
 
 HEALTH = HealthSpec(probe_interval_s=1, heartbeat_timeout_s=20, progress_timeout_s=8,
@@ -200,13 +203,23 @@ def test_hung_engine_is_unhealthy_after_the_progress_timeout():
     [fail] = lc.observe(113.5, Observation(counters=counters(80, running=2), **busy))
     assert fail.reason == ("hung: 4 request(s) queued or running and no new token for 8 s "
                            "(generation_tokens_total stuck at 80)")
+    assert fail.verdict == HUNG
+    # the typed verdict stands exactly as long as its reason: through the failure, not the restart
+    lc.fail(113.5, fail.reason, fail.verdict)
+    assert (lc.state, lc.verdict) == (UNHEALTHY, HUNG)
+    assert lc.restart_due(stopping=False, supervisor_alive=True) == [StartEngine()]
+    lc.engine_started(114.0, lc.starts + 1, 1, "u", "l")
+    assert lc.verdict is None and lc.reason.startswith("engine starting")
+    lc.fail(115.0, "page proof failed: x")        # a failure no verdict said
+    assert (lc.state, lc.verdict) == (UNHEALTHY, None)
 
 
 def test_idle_ready_replica_stays_healthy_and_heartbeat_loss_fails_it():
     lc = ready(now=100.0)
     assert lc.observe(200.0, Observation(heartbeat_ok=True, counters=counters(7))) == []  # nothing queued
     assert lc.observe(220.0, Observation(heartbeat_ok=False, counters=counters(7))) == []
-    assert lc.observe(220.5, Observation(heartbeat_ok=False)) == [Fail("no heartbeat (/health) for 20 s")]
+    assert lc.observe(220.5, Observation(heartbeat_ok=False)) == [
+        Fail("no heartbeat (/health) for 20 s", NO_HEARTBEAT)]
 
 
 def test_drain_waits_for_requests_until_its_deadline_then_replaces():
@@ -318,3 +331,43 @@ def test_ops_fence_changes_fence_unhealthy_and_return_cleared_cards_only():
     # cleared by `r9k ops clear` on a; the same address on b stays fenced, the avoided card
     # avoided, and c's fence stays while c does not report
     assert unfence == [("a", "0000:c3:00.0")]
+
+
+_VERDICT_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("fail"), st.sampled_from([None, "exited", "no_heartbeat", "hung"])),
+    st.tuples(st.sampled_from(["restart", "drain", "step_failed", "host_lost", "not_placed",
+                               "placing", "rolling"]), st.none())), max_size=12)
+
+
+@given(_VERDICT_STEPS)
+@settings(max_examples=300, deadline=None)
+def test_a_verdict_stands_exactly_while_the_reason_it_came_with_does(steps):
+    """Whatever the lifecycle does, `verdict` is the kind `fail` was given for the reason the
+    replica shows now, and None once anything else set the reason (the exporter's hung gauge
+    reads it)."""
+    lc = started()
+    given_with = None  # (reason, verdict) as the last fail set them
+    for i, (step, kind) in enumerate(steps):
+        now = 10.0 * (i + 1)
+        if step == "fail":
+            lc.fail(now, f"failure {i}", kind)
+            given_with = (lc.reason, kind)
+        elif step == "restart":
+            lc.restart_due(stopping=False, supervisor_alive=True)
+            lc.engine_started(now, lc.starts + 1, 1, "u", "l")
+        elif step == "drain":
+            lc.begin_drain(now, f"drain {i}")
+        elif step == "step_failed":
+            lc.step_failed(now, f"error {i}")
+        elif step == "host_lost":
+            lc.host_lost(now, "h1")
+        elif step == "not_placed":
+            lc.not_placed(now, "placing", f"no cards {i}")
+        elif step == "placing":
+            lc.placing("h1", ("0000:c1:00.0",))
+        else:
+            lc.begin_rolling_restart(now)
+        want = given_with[1] if given_with and given_with[0] == lc.reason else None
+        assert lc.verdict == want, (step, lc.reason, lc.verdict)
+        if lc.verdict is not None:
+            assert lc.state == UNHEALTHY

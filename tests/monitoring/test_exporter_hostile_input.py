@@ -645,8 +645,16 @@ def test_a_replica_the_fleet_found_hung_is_exported_with_its_token_counter():
     verdict = ("hung: 5 request(s) queued or running and no new token for 61 s "
                "(generation_tokens_total stuck at 12)")  # deploy/health.py's wording
     with TokenCountingReplica(running=2, waiting=3) as replica:
-        doc = {"replicas": [{"name": "r1", "url": replica.url, "state": "unhealthy", "reason": verdict},
-                            {"name": "r2", "url": replica.url, "state": "ready", "reason": "onepage pages"}]}
+        # the typed verdict decides, never the words: r2's reason reads like a hang but no
+        # verdict came with it, r4 was found hung under other words
+        doc = {"replicas": [{"name": "r1", "url": replica.url, "state": "unhealthy", "reason": verdict,
+                             "verdict": "hung"},
+                            {"name": "r2", "url": replica.url, "state": "unhealthy",
+                             "reason": "hung: looks like it, said by nobody"},
+                            {"name": "r4", "url": replica.url, "state": "unhealthy",
+                             "reason": "no new token", "verdict": "hung"},
+                            {"name": "r5", "url": replica.url, "state": "unhealthy",
+                             "reason": "no heartbeat (/health) for 20 s", "verdict": "no_heartbeat"}]}
         with FakeFleet(doc) as fleet:
             collector = build_collector(cards=False, fleet_url=fleet.url + "/status",
                                         replicas=[ReplicaDescription(name="r3", url=replica.url)])
@@ -655,7 +663,8 @@ def test_a_replica_the_fleet_found_hung_is_exported_with_its_token_counter():
     def get(name: str, replica_name: str) -> float | None:
         return samples.get((name, frozenset({("replica", replica_name), ("model", "tiny")})))
 
-    assert [get("r9k_replica_hung", r) for r in ("r1", "r2", "r3")] == [1.0, 0.0, None]  # r3: no fleet
+    assert [get("r9k_replica_hung", r) for r in ("r1", "r2", "r3", "r4", "r5")] == [
+        1.0, 0.0, None, 1.0, 0.0]  # r3: no fleet
     assert [get("r9k_replica_generation_tokens_total", r) for r in ("r1", "r2", "r3")] == [12.0] * 3
 
 
