@@ -1,0 +1,255 @@
+"""Contracts of the plugin's touch points that are not vLLM extension routes, checked against
+each release's own source (0.32 installed; 0.33 and 0.34 staged by `doubles.vllm_releases`).
+
+Each test names the plugin code that relies on the release and what it relies on, so a new
+release that breaks a touch point fails here, by name, before any engine runs:
+
+- the one-page GPU path runs vLLM's `_forward_core` with two module-global calls routed
+  (`r9k.gdn_gpu.bind_routed_forward_core`);
+- the custom op reaches a layer's `_forward_core` by keywords (`OnePageGatedDeltaNetAttention.
+  _forward_core` overrides it);
+- the layer picks its forward through `CustomOp._forward_method` (`r9k.gdn_layer`);
+- the per-layer decode switches the plugin turns off (`r9k.gdn_layer`);
+- the metadata builder's persistent index buffer and V2's per-step sharing
+  (`r9k.gdn_layer.OnePageGDNMetadataBuilder`, `r9k.compat.metadata_sharing`);
+- `VllmConfig._set_cudagraph_sizes` (`r9k.draft_graphs`);
+- `op_registry_oot` (`r9k.gdn_layer.register_layer`).
+
+The align copy kernels, the CPU ports, the GDN constructor keywords, the prefill checkpoints
+and the registry's modules are checked per release in tests/kernels/test_align_versions.py,
+tests/test_cpu_conv_versions.py and tests/test_compat.py.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from doubles.vllm_releases import release_params, source_root
+from r9k import compat
+
+PLUGIN = Path(__file__).resolve().parents[1] / "r9k_plugin"
+GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+GDN_ATTN = "vllm/v1/attention/backends/gdn_attn.py"
+CONV = "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"
+RELEASES = [pytest.param(p.values, id=p.id) for p in release_params()]
+
+
+def _tree(root: Path, rel: str) -> ast.Module:
+    return ast.parse((root / rel).read_text())
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _function(body, name: str) -> ast.FunctionDef:
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _calls(fn: ast.AST, name: str) -> list[ast.Call]:
+    """Calls of `name` as a plain (module-global) name inside `fn`."""
+    return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id == name]
+
+
+def _self_attrs(fn: ast.AST, ctx) -> set[str]:
+    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ctx)}
+
+
+def _plugin_constant(module: str, name: str) -> str:
+    tree = ast.parse((PLUGIN / module).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets))
+    return ast.literal_eval(node.value)
+
+
+def _plugin_function(module: str, name: str, cls: str | None = None) -> ast.FunctionDef:
+    tree = ast.parse((PLUGIN / module).read_text())
+    return _function(_class(tree, cls).body if cls else tree.body, name)
+
+
+@pytest.fixture(params=RELEASES)
+def release(request):
+    pytest.importorskip("vllm")
+    version, series = request.param
+    return SimpleNamespace(root=source_root(version), series=series)
+
+
+def test_forward_core_calls_the_names_the_one_page_path_routes(release):
+    """`bind_routed_forward_core` runs the release's `_forward_core` code over a copy of its
+    module's globals with the conv update and the recurrence replaced: both must be module
+    globals that `_forward_core` calls by name, the spec calls must pass `num_accepted_tokens`
+    (the routed calls tell spec from non-spec by it), the recurrence only by keywords (its
+    routed stand-in takes keywords only) and with every keyword the stand-in requires, and the
+    conv update must take `max_query_len` (the routed call sets it to 1 + k)."""
+    conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
+    rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
+    tree = _tree(release.root, GDN)
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                for a in n.names}
+    assert {conv_name, rec_name} <= imported, release.series
+    core = _function(_class(tree, "QwenGatedDeltaNetAttention").body, "_forward_core")
+    convs, recs = _calls(core, conv_name), _calls(core, rec_name)
+    assert convs and recs, release.series
+    assert any("num_accepted_tokens" in {k.arg for k in c.keywords} for c in convs)
+    assert any("num_accepted_tokens" in {k.arg for k in c.keywords} for c in recs)
+    stand_in = _plugin_function("gdn_gpu.py", "routed_recurrence")
+    required = {a.arg for a, d in zip(stand_in.args.kwonlyargs, stand_in.args.kw_defaults)
+                if d is None}
+    assert required >= {"q", "k", "v", "initial_state", "ssm_state_indices"}
+    for call in recs:
+        assert not call.args, f"{release.series}: {rec_name} called with positional arguments"
+        assert required <= {k.arg for k in call.keywords}, (
+            release.series, sorted(required - {k.arg for k in call.keywords}))
+    conv_fn = _function(_tree(release.root, CONV).body, conv_name)
+    assert "max_query_len" in {a.arg for a in conv_fn.args.args + conv_fn.args.kwonlyargs}
+
+
+def test_the_custom_op_reaches_the_layers_forward_core_by_the_overrides_keywords(release):
+    """vLLM's `qwen_gdn_attention_core` op finds the layer and calls `_forward_core`, which the
+    one-page layer overrides: with exactly the keywords the override takes."""
+    tree = _tree(release.root, GDN)
+    op = _function(tree.body, "qwen_gdn_attention_core")
+    calls = [n for n in ast.walk(op) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_core"]
+    override = _plugin_function("gdn_layer.py", "_forward_core", "OnePageGatedDeltaNetAttention")
+    params = [a.arg for a in override.args.args[1:]]
+    assert params == ["mixed_qkv", "b", "a", "core_attn_out"]
+    assert len(calls) == 1 and not calls[0].args, release.series
+    assert sorted(k.arg for k in calls[0].keywords) == sorted(params), release.series
+
+
+def test_forward_runs_the_method_the_layer_sets_after_vllms_constructor(release):
+    """The one-page layer sets `_forward_method` after vLLM's constructor (CPU: its own; CUDA
+    and ROCm: `forward_cuda`, so ROCm skips `forward_hip`'s AITER kernels): the release's
+    constructor sets it (so the plugin's later assignment is the last), `forward` calls it, and
+    `forward_cuda` exists."""
+    cls = _class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention")
+    assert "_forward_method" in _self_attrs(_function(cls.body, "__init__"), ast.Store)
+    forward = _function(cls.body, "forward")
+    assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "_forward_method" for n in ast.walk(forward)), release.series
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert {"forward_cuda", "forward_cpu", "forward_hip"} <= names, release.series
+    plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
+    assert {"forward_cuda", "forward_cpu_onepage"} <= {
+        n.value.attr for n in ast.walk(plugin_init) if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Attribute)
+        and any(isinstance(t, ast.Attribute) and t.attr == "_forward_method" for t in n.targets)}
+
+
+SWITCHES = ("gdn_decode_kernel", "enable_fused_gdn_spec_decode", "enable_packed_recurrent_decode")
+
+
+def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
+    """The one-page layer turns off the decode paths that bypass its record by setting three
+    attributes after vLLM's constructor: each is set there by the release and read by its
+    forward methods, and `gdn_decode_kernel == "cuda"` is what takes NVIDIA's fused decode
+    (the plugin sets another value)."""
+    cls = _class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention")
+    set_in_init = _self_attrs(_function(cls.body, "__init__"), ast.Store)
+    read = set().union(*(_self_attrs(f, ast.Load) for f in cls.body
+                         if isinstance(f, ast.FunctionDef) and f.name != "__init__"))
+    for switch in SWITCHES:
+        assert switch in set_in_init and switch in read, (release.series, switch)
+    cuda_tests = [n for n in ast.walk(cls) if isinstance(n, ast.Compare)
+                  and isinstance(n.left, ast.Attribute) and n.left.attr == "gdn_decode_kernel"
+                  and any(isinstance(c, ast.Constant) and c.value == "cuda"
+                          for c in n.comparators)]
+    assert cuda_tests, release.series
+    plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
+    turned = {t.attr: n.value for n in ast.walk(plugin_init) if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in SWITCHES}
+    assert set(turned) == set(SWITCHES)
+    assert [ast.literal_eval(turned[s]) for s in SWITCHES[1:]] == [False, False]
+    assert ast.literal_eval(turned["gdn_decode_kernel"]) != "cuda"
+
+
+def _sharing_rule(root: Path) -> ast.expr:
+    builder = _class(_tree(root, GDN_ATTN), "GDNAttentionMetadataBuilder")
+    init = _function(builder.body, "__init__")
+    return next(n.value for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                and any(isinstance(t, ast.Attribute) and t.attr == "supports_update_block_table"
+                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])))
+
+
+class _OwnClass(ast.NodeTransformer):
+    """`type(self) is GDNAttentionMetadataBuilder` -> True (the term the one-page builder
+    takes on the same terms), counted."""
+
+    def __init__(self):
+        self.found = 0
+
+    def visit_Compare(self, node):
+        if (isinstance(node.left, ast.Call) and isinstance(node.left.func, ast.Name)
+                and node.left.func.id == "type" and isinstance(node.ops[0], ast.Is)):
+            self.found += 1
+            return ast.copy_location(ast.Constant(True), node)
+        return self.generic_visit(node)
+
+
+def test_metadata_sharing_is_the_releases_rule(release):
+    """`OnePageGDNMetadataBuilder` shares the GDN metadata across groups on exactly the terms
+    the release grants its own class (`supports_update_block_table`): the adapter's rule equals
+    the release's expression, evaluated over runners and devices with its own-class term true."""
+    rule = _sharing_rule(release.root)
+    own = _OwnClass()
+    expr = ast.fix_missing_locations(ast.Expression(own.visit(rule)))
+    assert own.found == 1, release.series
+    code = compile(expr, f"{release.series}:supports_update_block_table", "eval")
+    adapter = compat.ADAPTERS[release.series]
+    for v2 in (False, True):
+        for device in ("cuda", "cpu", "xpu"):
+            cfg, dev = SimpleNamespace(use_v2_model_runner=v2), SimpleNamespace(type=device)
+            assert bool(eval(code, {}, {"vllm_config": cfg, "device": dev})) == \
+                adapter.shares_gdn_metadata(cfg, dev), (release.series, v2, device)
+
+
+def test_the_builders_buffers_the_one_page_builder_replaces(release):
+    """`OnePageGDNMetadataBuilder` replaces `spec_state_indices_tensor` with a one-column buffer
+    of `decode_cudagraph_max_bs` rows after vLLM's constructor: both are the release's
+    constructor attributes, the buffer is what its metadata build copies spec indices into, and
+    `mamba_aligned_state_indices` is the opt-in the plugin sets where it shares."""
+    builder = _class(_tree(release.root, GDN_ATTN), "GDNAttentionMetadataBuilder")
+    init = _function(builder.body, "__init__")
+    assert {"spec_state_indices_tensor", "decode_cudagraph_max_bs",
+            "mamba_aligned_state_indices"} <= _self_attrs(init, ast.Store), release.series
+    read = set().union(*(_self_attrs(f, ast.Load) for f in builder.body
+                         if isinstance(f, ast.FunctionDef) and f.name != "__init__"))
+    assert "spec_state_indices_tensor" in read, release.series
+
+
+def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
+    """`r9k.draft_graphs.install` wraps `VllmConfig._set_cudagraph_sizes(self)`, reads
+    `cudagraph_capture_sizes` and `compile_sizes` after it and adds max_num_seqs to both: the
+    release has the method, taking only self, setting `compilation_config.
+    cudagraph_capture_sizes` and ending in `post_init_cudagraph_sizes()`, which expands the
+    "cudagraph_capture_sizes" token of `compile_sizes` (so the wrapper finds it expanded)."""
+    config = _class(_tree(release.root, "vllm/config/vllm.py"), "VllmConfig")
+    method = _function(config.body, "_set_cudagraph_sizes")
+    assert [a.arg for a in method.args.args] == ["self"] and not method.args.kwonlyargs
+    assert any(isinstance(n, ast.Attribute) and n.attr == "cudagraph_capture_sizes"
+               and isinstance(n.ctx, ast.Store) for n in ast.walk(method)), release.series
+    last = method.body[-1]
+    assert (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+            and isinstance(last.value.func, ast.Attribute)
+            and last.value.func.attr == "post_init_cudagraph_sizes"), release.series
+    compilation = _class(_tree(release.root, "vllm/config/compilation.py"), "CompilationConfig")
+    post = ast.unparse(_function(compilation.body, "post_init_cudagraph_sizes"))
+    assert "self.compile_sizes" in post and "'cudagraph_capture_sizes'" in post, release.series
+
+
+def test_the_out_of_tree_registry_the_layer_registration_reads(release):
+    """`register_layer` reads `op_registry_oot` (another plugin's replacement wins) before the
+    official `register_oot`: a module-level dict of the release's custom_op module, keyed by
+    the class name `register_oot` stores under."""
+    tree = _tree(release.root, "vllm/model_executor/custom_op.py")
+    names = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+             if isinstance(t, ast.Name)}
+    assert "op_registry_oot" in names, release.series
+    assert "op_registry_oot[" in ast.unparse(tree), release.series
