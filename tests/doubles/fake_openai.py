@@ -49,6 +49,7 @@ class FakeOpenAI:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._stopping: asyncio.Future | None = None
 
     def __enter__(self) -> "FakeOpenAI":
         self._thread.start()
@@ -60,9 +61,19 @@ class FakeOpenAI:
 
     def shutdown(self) -> None:
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            async def stopped() -> None:
+                await self._stop_serving()
+
+            asyncio.run_coroutine_threadsafe(stopped(), self._loop).result(30)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    def _stop_serving(self) -> asyncio.Future:
+        """One cleanup of the server, however many callers ask (a dying server's requests and
+        the shutdown): a second cleanup racing the first fails on the half-closed runner."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._runner.cleanup())
+        return self._stopping
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -95,7 +106,7 @@ class FakeOpenAI:
         b = self.behaviour
         die_after = b.get("die_after")
         if die_after is not None and n_req > die_after:
-            asyncio.get_running_loop().create_task(self._runner.cleanup())
+            self._stop_serving()
             raise ConnectionResetError("dying")
         if b.get("non_json"):
             return web.Response(text="<html>upstream hiccup</html>", content_type="text/html")
