@@ -13,7 +13,10 @@ release that breaks a touch point fails here, by name, before any engine runs:
 - the metadata builder's persistent index buffer and V2's per-step sharing
   (`r9k.gdn_layer.OnePageGDNMetadataBuilder`, `r9k.compat.metadata_sharing`);
 - `VllmConfig._set_cudagraph_sizes` (`r9k.draft_graphs`);
-- `op_registry_oot` (`r9k.gdn_layer.register_layer`).
+- `op_registry_oot` (`r9k.gdn_layer.register_layer`);
+- the align copy kernels' module globals (`r9k.onepage_align.install_gpu_kernels`);
+- the spec rows the in-place step reads (`r9k.gdn_gpu.rearrange_in_place`);
+- the stock recurrence's keywords (`r9k.gdn_gpu.routed_recurrence`).
 
 The align copy kernels, the CPU ports, the GDN constructor keywords, the prefill checkpoints
 and the registry's modules are checked per release in tests/kernels/test_align_versions.py,
@@ -253,3 +256,75 @@ def test_the_out_of_tree_registry_the_layer_registration_reads(release):
              if isinstance(t, ast.Name)}
     assert "op_registry_oot" in names, release.series
     assert "op_registry_oot[" in ast.unparse(tree), release.series
+
+
+MAMBA_UTILS = "vllm/v1/worker/mamba_utils.py"
+V2_MAMBA = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
+
+
+def test_the_align_kernels_are_launched_only_by_their_module_global_names(release):
+    """`r9k.onepage_align.install_gpu_kernels` replaces the two align copy kernels in
+    `mamba_utils`' namespace: the release defines both there, launches each only as
+    `NAME[grid](...)` by that global name, from the GPU context's methods the V2 runner calls,
+    and no other module of the release names them (nothing holds its own reference)."""
+    kernels = ast.literal_eval(next(
+        n.value for n in ast.parse((PLUGIN / "onepage_align.py").read_text()).body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "GPU_KERNELS"
+                                             for t in n.targets)))
+    tree = _tree(release.root, MAMBA_UTILS)
+    assert set(kernels) <= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    launches = {k: [] for k in kernels}
+    ctx = _class(tree, "MambaSpecDecodeGPUContext")
+    for method in (f for f in ctx.body if isinstance(f, ast.FunctionDef)):
+        for n in ast.walk(method):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id in kernels):
+                launches[n.func.value.id].append(method.name)
+    assert all(launches.values()), (release.series, launches)
+    # every mention of a kernel's name in the module is its definition or one of those launches
+    mentions = sum(isinstance(n, ast.Name) and n.id in kernels for n in ast.walk(tree))
+    assert mentions == sum(map(len, launches.values())), release.series
+    v2 = ast.unparse(_tree(release.root, V2_MAMBA))
+    assert "run_fused_precopy(" in v2 and "run_fused_postprocess_align(" in v2, release.series
+    assert {"run_fused_precopy", "run_fused_postprocess_align"} <= set(
+        launches["precopy_mamba_align_fused_kernel"] + launches["postprocess_mamba_fused_kernel"])
+    others = [p for p in (release.root / "vllm").rglob("*.py")
+              if p.name != "mamba_utils.py" and any(k in p.read_text(errors="replace")
+                                                    for k in kernels)]
+    assert not others, (release.series, others[:3])
+
+
+def test_the_spec_rows_the_in_place_step_reads_are_the_spec_conv_output(release):
+    """With `R9K_GDN_INPLACE` the layer's `rearrange_mixed_qkv` returns views of the spec rows
+    only when handed the very tensor the spec conv update returned (`rearrange_in_place`): the
+    release's `_forward_core` assigns the spec conv's output and passes that name, unchanged,
+    to `self.rearrange_mixed_qkv`."""
+    conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
+    core = _function(_class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention").body,
+                     "_forward_core")
+    spec_out = {t.id for n in ast.walk(core) if isinstance(n, ast.Assign)
+                and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+                and n.value.func.id == conv_name
+                and "num_accepted_tokens" in {k.arg for k in n.value.keywords}
+                for t in n.targets if isinstance(t, ast.Name)}
+    assert len(spec_out) == 1, release.series
+    rearranged = [n.args[0].id for n in ast.walk(core) if isinstance(n, ast.Call)
+                  and isinstance(n.func, ast.Attribute) and n.func.attr == "rearrange_mixed_qkv"
+                  and n.args and isinstance(n.args[0], ast.Name)]
+    assert spec_out <= set(rearranged), (release.series, spec_out, rearranged)
+
+
+def test_the_stock_recurrence_takes_the_keywords_the_one_page_path_passes(release):
+    """The routed recurrence hands the non-spec decode to stock's
+    `fused_sigmoid_gating_delta_rule_update` with the keywords `routed_recurrence` names, and
+    one-page's kernels reuse that kernel's tiling: every keyword the plugin passes is a
+    parameter of the release's function."""
+    rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
+    path = "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py"
+    fn = _function(_tree(release.root, path).body, rec_name)
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    stand_in = _plugin_function("gdn_gpu.py", "routed_recurrence")
+    passed = {k.arg for n in ast.walk(stand_in) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Name) and n.func.id == "stock_recurrence"
+              for k in n.keywords if k.arg}
+    assert passed and passed <= params, (release.series, sorted(passed - params))
