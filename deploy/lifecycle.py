@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 from r9k.deploy.config import HealthSpec
-from r9k.deploy.health import HealthLimits, ReadyHealth, restart_backoff_s
+from r9k.deploy.health import EXITED, HealthLimits, ReadyHealth, restart_backoff_s
 
 if TYPE_CHECKING:
     from r9k.deploy.engine import PageProof
@@ -175,7 +175,8 @@ class ReplicaLifecycle:
             # any exit the supervisor did not ask for fails the replica, status 0 included:
             # vLLM can crash with exit status 0 (hybrid GDN + MTP + async scheduling)
             return [Fail(f"engine process exited with {obs.returncode}"
-                         + (" (a clean exit nobody asked for)" if obs.returncode == 0 else ""))]
+                         + (" (a clean exit nobody asked for)" if obs.returncode == 0 else ""),
+                         EXITED)]
         if self.state == LOADING:
             return self._observe_loading(now, obs)
         assert self.ready_health is not None

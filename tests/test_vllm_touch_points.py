@@ -20,7 +20,7 @@ release that breaks a touch point fails here, by name, before any engine runs:
 
 The align copy kernels, the CPU ports, the GDN constructor keywords, the prefill checkpoints
 and the registry's modules are checked per release in tests/kernels/test_align_versions.py,
-tests/test_cpu_conv_versions.py and tests/test_compat.py.
+tests/kernels/test_cpu_conv_versions.py and tests/test_compat.py.
 """
 from __future__ import annotations
 
@@ -247,15 +247,23 @@ def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
 
 
 def test_the_out_of_tree_registry_the_layer_registration_reads(release):
-    """`register_layer` reads `op_registry_oot` (another plugin's replacement wins) before the
-    official `register_oot`: a module-level dict of the release's custom_op module, keyed by
-    the class name `register_oot` stores under."""
+    """`register_layer` reads `op_registry_oot` before the official `register_oot` (another
+    plugin's replacement wins; a second registration would trip vLLM's duplicate assert): a
+    module-level dict of the release's custom_op module, which `register_oot` fills by the
+    class's name and `CustomOp.__new__` looks up by `cls.__name__`."""
     tree = _tree(release.root, "vllm/model_executor/custom_op.py")
     names = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
              if isinstance(t, ast.Name)}
     assert "op_registry_oot" in names, release.series
-    assert "op_registry_oot[" in ast.unparse(tree), release.series
+    custom_op = _class(tree, "CustomOp")
+    register = _function(custom_op.body, "register_oot")
+    stores = [n for n in ast.walk(register) if isinstance(n, ast.Subscript)
+              and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+              and n.value.id == "op_registry_oot"]
+    assert stores and "__name__" in ast.unparse(register), release.series
+    new = ast.unparse(_function(custom_op.body, "__new__"))
+    assert "cls.__name__" in new and "op_registry_oot[" in new, release.series
 
 
 MAMBA_UTILS = "vllm/v1/worker/mamba_utils.py"
@@ -312,6 +320,20 @@ def test_the_spec_rows_the_in_place_step_reads_are_the_spec_conv_output(release)
                   and isinstance(n.func, ast.Attribute) and n.func.attr == "rearrange_mixed_qkv"
                   and n.args and isinstance(n.args[0], ast.Name)]
     assert spec_out <= set(rearranged), (release.series, spec_out, rearranged)
+    # and unchanged between the two: no other assignment to that name in between
+    (name,) = spec_out
+    conv_line = next(n.lineno for n in ast.walk(core) if isinstance(n, ast.Assign)
+                     and any(getattr(t, "id", None) == name for t in n.targets)
+                     and isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") == conv_name)
+    use_line = next(n.lineno for n in ast.walk(core) if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute) and n.func.attr == "rearrange_mixed_qkv"
+                    and n.args and getattr(n.args[0], "id", None) == name)
+    between = [n.lineno for n in ast.walk(core)
+               if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr))
+               and conv_line < n.lineno < use_line
+               and name in {getattr(t, "id", None) for t in
+                            (n.targets if isinstance(n, ast.Assign) else [n.target])}]
+    assert conv_line < use_line and not between, (release.series, between)
 
 
 def test_the_stock_recurrence_takes_the_keywords_the_one_page_path_passes(release):

@@ -543,11 +543,13 @@ def plot(summary: dict[str, Any], path: str) -> None:
     measured = all(r[m].get("joules_per_output_token") for r in rows for m in ("stock", "onepage"))
     fig, axes = plt.subplots(1, 3 if measured and rows else 2, figsize=(16 if measured else 11, 4))
     a, b = axes[0], axes[1]
+    names = {"stock": summary.get("stock_arm", "stock"), "onepage": "onepage"}  # the arm compared
     for m in ("stock", "onepage"):
-        a.plot(cs, [r[m]["output_tok_per_s"] for r in rows], marker="o", label=m)
-        b.plot(cs, [r[m]["running_mean"] for r in rows], marker="o", label=m)
+        a.plot(cs, [r[m]["output_tok_per_s"] for r in rows], marker="o", label=names[m])
+        b.plot(cs, [r[m]["running_mean"] for r in rows], marker="o", label=names[m])
         if measured and rows:
-            axes[2].plot(cs, [1 / r[m]["joules_per_output_token"] for r in rows], marker="o", label=m)
+            axes[2].plot(cs, [1 / r[m]["joules_per_output_token"] for r in rows], marker="o",
+                         label=names[m])
     a.set(xlabel="concurrency (requests in flight)", ylabel="output tokens/s", title="throughput")
     b.set(xlabel="concurrency (requests in flight)", ylabel="requests running (mean)",
           title="requests the scheduler ran")

@@ -666,6 +666,8 @@ def test_an_engine_onepage_cannot_serve_is_held_to_stock_pages(ge, tmp_path, mon
     monkeypatch.setattr(ge, "platform", lambda: "gpu")
     arch, sets = ge.model_recipe("q4exp-27b")
     make_tiny(tmp_path / "q4", overrides=parse_overrides(sets), arch=arch)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "q4exp-27b").symlink_to(tmp_path / "q4")
     pcon = next(c for c in ge.architectures() if c.model == "q4exp-27b")
     assert pcon.prefix_caching
     kv = ge.pool_bytes(tmp_path / "q4", pcon)
@@ -673,6 +675,20 @@ def test_an_engine_onepage_cannot_serve_is_held_to_stock_pages(ge, tmp_path, mon
     assert plan["onepage"]["page_mode"] == "stock" and "PLE" in plan["onepage"]["unservable"]
     assert (plan["onepage"]["tokens"], plan["onepage"]["block"]) == (
         plan["stock"]["tokens"], plan["stock"]["block"])
+    # each engine's record says what the planner expects of it (the engine process replaced)
+    from r9k.devtools import engine_runs
+
+    asked = {}
+
+    def fake_run(spec, timeout_s, workdir):
+        asked[Path(workdir).name.rsplit("-", 1)[-1]] = spec.gdn_state
+        raise RuntimeError("no engine here")
+
+    monkeypatch.setattr(engine_runs, "run", fake_run)
+    rec = ge.run_engine(pcon, "onepage", tmp_path / "models", 60, 0.04, tmp_path)
+    assert asked == {"onepage": "onepage"}  # one-page is asked for; the plugin decides
+    assert (rec["planner_page_mode"], rec["planner_tokens"]) == ("stock", plan["stock"]["tokens"])
+    assert "PLE" in rec["planner_unservable"]
     pcoff = dataclasses.replace(pcon, prefix_caching=False)
     off = ge.planner(tmp_path / "q4", pcoff, ge.pool_bytes(tmp_path / "q4", pcoff))
     assert off["onepage"]["page_mode"] == "onepage" and off["onepage"]["unservable"] is None

@@ -32,3 +32,19 @@ def test_a_new_file_makes_it_stale(tmp_path, monkeypatch):
     assert "| `gdn_kernel_y.md` | a result |" in text
     (results / "gpu_perf_x.json").unlink()
     assert ix.stale() == ([], ["gpu_perf_x.json"])
+
+
+def test_the_index_speaks_to_users():
+    """No internal run, round, item or issue number in the index a regeneration writes (titles,
+    sources and commands come from the result files themselves) or in a result file's name;
+    another project's issue (vLLM's, LACT's) may be cited."""
+    import re
+
+    ix = _index_module()
+    text = ix.render()
+    internal = re.findall(r"(?i)\b(?:stop \d+|round ?\d+|item ?\d+)\b", text)
+    issues = [m.group(0) for m in re.finditer(r"(?i)\bissue \d+", text)
+              if not text[:m.start()].lower().endswith(("vllm ", "lact ", "github "))]
+    assert not internal and not issues, internal + issues
+    names = [p.name for p in ix.RESULTS.iterdir()]
+    assert not [n for n in names if re.search(r"(?i)stop\d|round\d|review|_item\d", n)]

@@ -10,7 +10,8 @@ import pytest
 from r9k.deploy.adoption import adoptable
 from r9k.deploy.config import parse_fleet
 from r9k.deploy.controller import FleetController, Replica
-from r9k.deploy.lifecycle import DRAINING, LOADING, READY, STOPPED, UNHEALTHY, ReplicaLifecycle
+from r9k.deploy.lifecycle import (DRAINING, LOADING, READY, STOPPED, UNHEALTHY, Observation,
+                                  ReplicaLifecycle)
 from r9k.deploy.placement import CardPool, plan_placement, replica_slots
 
 CARDS = ("0000:c1:00.0", "0000:c1:00.1")
@@ -597,3 +598,20 @@ def test_fleet_down_is_marked_so_the_unit_does_not_start_the_fleet_again(fleet):
         return status
 
     assert run(scenario()) == (200, {"stopping": True}) and c.down_requested
+
+
+def test_the_status_carries_the_health_verdict_beside_its_reason(fleet):
+    """The controller hands a failure's typed verdict to the lifecycle and the fleet status
+    carries it (the exporter's hung gauge reads `verdict`, not the reason's words)."""
+    c, r = fleet
+
+    async def scenario():
+        await launched_ready(c, r)
+        r.lc.page_failed = True  # not restarted: the unhealthy state stays to be read
+        [fail] = r.lc.observe(0.0, Observation(alive=False, returncode=-9))
+        await c._fail(r, fail.reason, fail.verdict)
+
+    run(scenario())
+    status = c.describe(r)
+    assert (status.state, status.verdict) == ("unhealthy", "exited")
+    assert status.reason.startswith("engine process exited with -9")

@@ -10,7 +10,7 @@ from r9k.deploy.engine import PageProof
 from r9k.deploy.lifecycle import (DRAINING, LOADING, READY, STOPPED, UNHEALTHY, Fail, KillEngine,
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)
-from r9k.deploy.health import HUNG, NO_HEARTBEAT
+from r9k.deploy.health import EXITED, HUNG, NO_HEARTBEAT
 from r9k.vllm_metrics import VllmMetrics
 
 HEALTH = HealthSpec(probe_interval_s=1, heartbeat_timeout_s=20, progress_timeout_s=8,
@@ -103,7 +103,8 @@ def test_loading_heartbeat_without_proof_is_bad_input():
 
 
 def test_dead_process_and_lost_supervisor_fail_in_any_probed_state():
-    assert started().observe(1.0, Observation(alive=False, returncode=-9)) == [Fail("engine process exited with -9")]
+    assert started().observe(1.0, Observation(alive=False, returncode=-9)) == [
+        Fail("engine process exited with -9", EXITED)]
     assert ready().observe(11.0, Observation(supervisor_error="RayActorError")) == [
         Fail("supervisor lost: RayActorError")]
 

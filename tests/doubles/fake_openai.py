@@ -64,8 +64,10 @@ class FakeOpenAI:
             async def stopped() -> None:
                 await self._stop_serving()
 
-            asyncio.run_coroutine_threadsafe(stopped(), self._loop).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            try:
+                asyncio.run_coroutine_threadsafe(stopped(), self._loop).result(30)
+            finally:  # the loop stops whatever the cleanup raised
+                self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     def _stop_serving(self) -> asyncio.Future:
