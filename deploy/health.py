@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from r9k.fleet_status import EXITED, HUNG, NO_HEARTBEAT  # the kinds, typed for every reader
 from r9k.vllm_metrics import VllmMetrics
-
-
-# The kinds of verdict (typed, so readers such as the exporter never parse the words)
-EXITED, NO_HEARTBEAT, HUNG = "exited", "no_heartbeat", "hung"
 
 
 @dataclass(frozen=True)

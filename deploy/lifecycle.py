@@ -108,6 +108,15 @@ class ReplicaLifecycle:
         self.proof: PageProof | None = None
         self.place_due: float | None = None  # unplaced: place again from then (monotonic s)
 
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    @reason.setter
+    def reason(self, value: str | None) -> None:
+        # a new reason ends the verdict that came with the old one (`fail` sets it again)
+        self._reason, self.verdict = value, None
+
     # -- start ------------------------------------------------------------------------------------
 
     def placing(self, host: str, cards: Sequence[str]) -> list[Action]:
@@ -183,15 +192,6 @@ class ReplicaLifecycle:
         verdict = self.ready_health.observe(now, alive=True, heartbeat_ok=obs.heartbeat_ok,
                                             counters=obs.counters, in_flight=obs.in_flight)
         return [Fail(verdict.text, verdict.kind)] if verdict else []
-
-    @property
-    def reason(self) -> str | None:
-        return self._reason
-
-    @reason.setter
-    def reason(self, value: str | None) -> None:
-        # a new reason ends the verdict that came with the old one (`fail` sets it again)
-        self._reason, self.verdict = value, None
 
     def _observe_loading(self, now: float, obs: Observation) -> list[Action]:
         assert self.started_at is not None

@@ -24,15 +24,12 @@ from pydantic import ValidationError
 
 from r9k import capacity
 from r9k.config_errors import read_config_bytes, validation_message
-from r9k.fleet_status import FleetStatus, ReplicaDescription, ReplicaStatus  # the typed interface
+from r9k.fleet_status import HUNG, FleetStatus, ReplicaDescription, ReplicaStatus  # the typed interface
 from r9k.http_client import HttpDeadline, HttpUnreachable, http_get
 from r9k.vllm_metrics import PAGE_MODES, VllmMetrics, parse_vllm_metrics
 from r9k.monitoring.scrape_errors import ScrapeErrors
 
 REPLICA_STATES = ("loading", "ready", "draining", "unhealthy")
-# deploy's token-progress verdict (r9k.deploy.health.HUNG), which the fleet reports as the
-# replica's `verdict` until it restarts the engine (monitoring does not import deploy)
-HUNG_VERDICT = "hung"
 PINNED_KINDS = ("gdn", "attention", "ple")  # ple: Qwen4Exp's short-conv pages (0 elsewhere)
 DEFAULT_TIMEOUT_S = 2.0
 # The whole replica phase (fleet status and every replica) ends by this deadline, so hung replicas
@@ -408,7 +405,7 @@ class ReplicaCollector:
                 for s in REPLICA_STATES:
                     state.add_metric(labels + [s], 1.0 if s == r.desc.state else 0.0)
                 if isinstance(r.desc, ReplicaStatus):
-                    hung.add_metric(labels, 1.0 if r.desc.verdict == HUNG_VERDICT else 0.0)
+                    hung.add_metric(labels, 1.0 if r.desc.verdict == HUNG else 0.0)
             m = r.metrics
             for family, value in ((running, m.running), (waiting, m.waiting), (usage, m.kv_usage_ratio),
                                   (preempt, m.preemptions), (tokens, m.generation_tokens), (blocks, m.num_blocks),

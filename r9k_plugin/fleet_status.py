@@ -14,6 +14,9 @@ from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The kinds of health verdict the fleet reports for a replica (deploy decides, monitoring reads)
+EXITED, NO_HEARTBEAT, HUNG = VERDICTS = ("exited", "no_heartbeat", "hung")
+
 def _http_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -83,8 +86,8 @@ class ReplicaStatus(ReplicaDescription):
 
     url: str | None = None                    # None: stopped, not routed
     reason: str | None = None                 # the lifecycle's last reason
-    # the health verdict's kind while that reason stands (r9k.deploy.health: exited,
-    # no_heartbeat, hung): typed, so readers need not parse the reason's words
+    # the health verdict's kind while that reason stands (VERDICTS, r9k.deploy.health): typed,
+    # so readers need not parse the reason's words
     verdict: str | None = None
     page_reason: str | None = None            # why stock pages, or why the page proof failed
     kv: PageProof | None = None

@@ -9,27 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from doubles.source_ast import GDN, class_def, function_def, parse, self_attrs
 from doubles.vllm_releases import release_params, source_root
 from r9k import compat
 from r9k.policy import vllm_version_reason
 
-GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 BASE_KWARGS = ("prefix", "gqa_interleaved_layout", "reduce_results")
 
 
 def _gdn_class(root: Path) -> ast.ClassDef:
-    tree = ast.parse((root / GDN).read_text())
-    return next(n for n in tree.body
-                if isinstance(n, ast.ClassDef) and n.name == "QwenGatedDeltaNetAttention")
-
-
-def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
-
-
-def _self_attrs(fn: ast.FunctionDef, ctx) -> set[str]:
-    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ctx)}
+    return class_def(parse(root, GDN), "QwenGatedDeltaNetAttention")
 
 
 def test_unproven_releases_serve_one_page_only_when_a_proving_run_says_so(monkeypatch):
@@ -76,7 +65,7 @@ def test_layer_keywords_are_the_release_constructor(version, series):
     """The one-page layer takes exactly the keywords the release's GDN constructor takes: one
     it lacks fails the model's construction (0.34's NVIDIA Qwen3.5 passes two new ones)."""
     pytest.importorskip("vllm")
-    init = _method(_gdn_class(source_root(version)), "__init__")
+    init = function_def(_gdn_class(source_root(version)).body, "__init__")
     names = [a.arg for a in init.args.args[1:]] + [a.arg for a in init.args.kwonlyargs]
     assert names[:2] == ["config", "vllm_config"]
     assert tuple(names[2:]) == BASE_KWARGS + compat.ADAPTERS[series].layer_kwargs
@@ -89,7 +78,7 @@ def test_prefill_checkpoint_opt_out_sets_what_the_release_reads(version, series)
     sets it to None after vLLM's constructor. 0.32 has no checkpoints: the opt-out is a no-op."""
     pytest.importorskip("vllm")
     cls = _gdn_class(source_root(version))
-    set_in_init = _self_attrs(_method(cls, "__init__"), ast.Store)
+    set_in_init = self_attrs(function_def(cls.body, "__init__"), ast.Store)
     adapter = compat.ADAPTERS[series]
     if series == "0.32":
         assert "_checkpoint_alignment" not in set_in_init
@@ -97,7 +86,7 @@ def test_prefill_checkpoint_opt_out_sets_what_the_release_reads(version, series)
         return
     assert "_checkpoint_alignment" in set_in_init
     for reader in ("get_prefill_checkpoint_alignment", "_exports_checkpoints"):
-        assert "_checkpoint_alignment" in _self_attrs(_method(cls, reader), ast.Load), reader
+        assert "_checkpoint_alignment" in self_attrs(function_def(cls.body, reader), ast.Load), reader
 
     class Layer:  # what the opt-out touches: one attribute, nothing else
         _checkpoint_alignment = 64
@@ -126,7 +115,7 @@ ARCH_FAMILY = {"Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen
 def _registry_modules(root: Path) -> dict[str, str]:
     """Architecture -> module in the release's `_..._MODELS` tables (a short name is a module
     of vllm.model_executor.models, as the registry resolves it)."""
-    tree = ast.parse((root / "vllm/model_executor/models/registry.py").read_text())
+    tree = parse(root, "vllm/model_executor/models/registry.py")
     out = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
@@ -157,7 +146,7 @@ def test_planner_block_default_is_the_release_default(version, series):
     that release's source; the planner knows exactly the releases r9k.compat knows."""
     from r9k import capacity as cap
 
-    tree = ast.parse((source_root(version) / "vllm/config/cache.py").read_text())
+    tree = parse(source_root(version), "vllm/config/cache.py")
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheConfig")
     default = next(ast.literal_eval(n.value) for n in cls.body
                    if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") ==

@@ -30,37 +30,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from doubles.source_ast import GDN, class_def, function_def, parse, self_attrs
 from doubles.vllm_releases import release_params, source_root
 from r9k import compat
 
 PLUGIN = Path(__file__).resolve().parents[1] / "r9k_plugin"
-GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 GDN_ATTN = "vllm/v1/attention/backends/gdn_attn.py"
 CONV = "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"
 RELEASES = [pytest.param(p.values, id=p.id) for p in release_params()]
-
-
-def _tree(root: Path, rel: str) -> ast.Module:
-    return ast.parse((root / rel).read_text())
-
-
-def _class(tree: ast.Module, name: str) -> ast.ClassDef:
-    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-
-
-def _function(body, name: str) -> ast.FunctionDef:
-    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
 def _calls(fn: ast.AST, name: str) -> list[ast.Call]:
     """Calls of `name` as a plain (module-global) name inside `fn`."""
     return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
             and n.func.id == name]
-
-
-def _self_attrs(fn: ast.AST, ctx) -> set[str]:
-    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ctx)}
 
 
 def _plugin_constant(module: str, name: str) -> str:
@@ -72,7 +55,7 @@ def _plugin_constant(module: str, name: str) -> str:
 
 def _plugin_function(module: str, name: str, cls: str | None = None) -> ast.FunctionDef:
     tree = ast.parse((PLUGIN / module).read_text())
-    return _function(_class(tree, cls).body if cls else tree.body, name)
+    return function_def(class_def(tree, cls).body if cls else tree.body, name)
 
 
 @pytest.fixture(params=RELEASES)
@@ -91,11 +74,11 @@ def test_forward_core_calls_the_names_the_one_page_path_routes(release):
     conv update must take `max_query_len` (the routed call sets it to 1 + k)."""
     conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
     rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
-    tree = _tree(release.root, GDN)
+    tree = parse(release.root, GDN)
     imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
                 for a in n.names}
     assert {conv_name, rec_name} <= imported, release.series
-    core = _function(_class(tree, "QwenGatedDeltaNetAttention").body, "_forward_core")
+    core = function_def(class_def(tree, "QwenGatedDeltaNetAttention").body, "_forward_core")
     convs, recs = _calls(core, conv_name), _calls(core, rec_name)
     assert convs and recs, release.series
     assert any("num_accepted_tokens" in {k.arg for k in c.keywords} for c in convs)
@@ -108,15 +91,15 @@ def test_forward_core_calls_the_names_the_one_page_path_routes(release):
         assert not call.args, f"{release.series}: {rec_name} called with positional arguments"
         assert required <= {k.arg for k in call.keywords}, (
             release.series, sorted(required - {k.arg for k in call.keywords}))
-    conv_fn = _function(_tree(release.root, CONV).body, conv_name)
+    conv_fn = function_def(parse(release.root, CONV).body, conv_name)
     assert "max_query_len" in {a.arg for a in conv_fn.args.args + conv_fn.args.kwonlyargs}
 
 
 def test_the_custom_op_reaches_the_layers_forward_core_by_the_overrides_keywords(release):
     """vLLM's `qwen_gdn_attention_core` op finds the layer and calls `_forward_core`, which the
     one-page layer overrides: with exactly the keywords the override takes."""
-    tree = _tree(release.root, GDN)
-    op = _function(tree.body, "qwen_gdn_attention_core")
+    tree = parse(release.root, GDN)
+    op = function_def(tree.body, "qwen_gdn_attention_core")
     calls = [n for n in ast.walk(op) if isinstance(n, ast.Call)
              and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_core"]
     override = _plugin_function("gdn_layer.py", "_forward_core", "OnePageGatedDeltaNetAttention")
@@ -131,9 +114,9 @@ def test_forward_runs_the_method_the_layer_sets_after_vllms_constructor(release)
     and ROCm: `forward_cuda`, so ROCm skips `forward_hip`'s AITER kernels): the release's
     constructor sets it (so the plugin's later assignment is the last), `forward` calls it, and
     `forward_cuda` exists."""
-    cls = _class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention")
-    assert "_forward_method" in _self_attrs(_function(cls.body, "__init__"), ast.Store)
-    forward = _function(cls.body, "forward")
+    cls = class_def(parse(release.root, GDN), "QwenGatedDeltaNetAttention")
+    assert "_forward_method" in self_attrs(function_def(cls.body, "__init__"), ast.Store)
+    forward = function_def(cls.body, "forward")
     assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                and n.func.attr == "_forward_method" for n in ast.walk(forward)), release.series
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
@@ -153,9 +136,9 @@ def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
     attributes after vLLM's constructor: each is set there by the release and read by its
     forward methods, and `gdn_decode_kernel == "cuda"` is what takes NVIDIA's fused decode
     (the plugin sets another value)."""
-    cls = _class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention")
-    set_in_init = _self_attrs(_function(cls.body, "__init__"), ast.Store)
-    read = set().union(*(_self_attrs(f, ast.Load) for f in cls.body
+    cls = class_def(parse(release.root, GDN), "QwenGatedDeltaNetAttention")
+    set_in_init = self_attrs(function_def(cls.body, "__init__"), ast.Store)
+    read = set().union(*(self_attrs(f, ast.Load) for f in cls.body
                          if isinstance(f, ast.FunctionDef) and f.name != "__init__"))
     for switch in SWITCHES:
         assert switch in set_in_init and switch in read, (release.series, switch)
@@ -173,8 +156,8 @@ def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
 
 
 def _sharing_rule(root: Path) -> ast.expr:
-    builder = _class(_tree(root, GDN_ATTN), "GDNAttentionMetadataBuilder")
-    init = _function(builder.body, "__init__")
+    builder = class_def(parse(root, GDN_ATTN), "GDNAttentionMetadataBuilder")
+    init = function_def(builder.body, "__init__")
     return next(n.value for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
                 and any(isinstance(t, ast.Attribute) and t.attr == "supports_update_block_table"
                         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])))
@@ -217,11 +200,11 @@ def test_the_builders_buffers_the_one_page_builder_replaces(release):
     of `decode_cudagraph_max_bs` rows after vLLM's constructor: both are the release's
     constructor attributes, the buffer is what its metadata build copies spec indices into, and
     `mamba_aligned_state_indices` is the opt-in the plugin sets where it shares."""
-    builder = _class(_tree(release.root, GDN_ATTN), "GDNAttentionMetadataBuilder")
-    init = _function(builder.body, "__init__")
+    builder = class_def(parse(release.root, GDN_ATTN), "GDNAttentionMetadataBuilder")
+    init = function_def(builder.body, "__init__")
     assert {"spec_state_indices_tensor", "decode_cudagraph_max_bs",
-            "mamba_aligned_state_indices"} <= _self_attrs(init, ast.Store), release.series
-    read = set().union(*(_self_attrs(f, ast.Load) for f in builder.body
+            "mamba_aligned_state_indices"} <= self_attrs(init, ast.Store), release.series
+    read = set().union(*(self_attrs(f, ast.Load) for f in builder.body
                          if isinstance(f, ast.FunctionDef) and f.name != "__init__"))
     assert "spec_state_indices_tensor" in read, release.series
 
@@ -232,8 +215,8 @@ def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
     release has the method, taking only self, setting `compilation_config.
     cudagraph_capture_sizes` and ending in `post_init_cudagraph_sizes()`, which expands the
     "cudagraph_capture_sizes" token of `compile_sizes` (so the wrapper finds it expanded)."""
-    config = _class(_tree(release.root, "vllm/config/vllm.py"), "VllmConfig")
-    method = _function(config.body, "_set_cudagraph_sizes")
+    config = class_def(parse(release.root, "vllm/config/vllm.py"), "VllmConfig")
+    method = function_def(config.body, "_set_cudagraph_sizes")
     assert [a.arg for a in method.args.args] == ["self"] and not method.args.kwonlyargs
     assert any(isinstance(n, ast.Attribute) and n.attr == "cudagraph_capture_sizes"
                and isinstance(n.ctx, ast.Store) for n in ast.walk(method)), release.series
@@ -241,8 +224,8 @@ def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
     assert (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
             and isinstance(last.value.func, ast.Attribute)
             and last.value.func.attr == "post_init_cudagraph_sizes"), release.series
-    compilation = _class(_tree(release.root, "vllm/config/compilation.py"), "CompilationConfig")
-    post = ast.unparse(_function(compilation.body, "post_init_cudagraph_sizes"))
+    compilation = class_def(parse(release.root, "vllm/config/compilation.py"), "CompilationConfig")
+    post = ast.unparse(function_def(compilation.body, "post_init_cudagraph_sizes"))
     assert "self.compile_sizes" in post and "'cudagraph_capture_sizes'" in post, release.series
 
 
@@ -251,18 +234,18 @@ def test_the_out_of_tree_registry_the_layer_registration_reads(release):
     plugin's replacement wins; a second registration would trip vLLM's duplicate assert): a
     module-level dict of the release's custom_op module, which `register_oot` fills by the
     class's name and `CustomOp.__new__` looks up by `cls.__name__`."""
-    tree = _tree(release.root, "vllm/model_executor/custom_op.py")
+    tree = parse(release.root, "vllm/model_executor/custom_op.py")
     names = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
              if isinstance(t, ast.Name)}
     assert "op_registry_oot" in names, release.series
-    custom_op = _class(tree, "CustomOp")
-    register = _function(custom_op.body, "register_oot")
+    custom_op = class_def(tree, "CustomOp")
+    register = function_def(custom_op.body, "register_oot")
     stores = [n for n in ast.walk(register) if isinstance(n, ast.Subscript)
               and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
               and n.value.id == "op_registry_oot"]
     assert stores and "__name__" in ast.unparse(register), release.series
-    new = ast.unparse(_function(custom_op.body, "__new__"))
+    new = ast.unparse(function_def(custom_op.body, "__new__"))
     assert "cls.__name__" in new and "op_registry_oot[" in new, release.series
 
 
@@ -279,10 +262,10 @@ def test_the_align_kernels_are_launched_only_by_their_module_global_names(releas
         n.value for n in ast.parse((PLUGIN / "onepage_align.py").read_text()).body
         if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "GPU_KERNELS"
                                              for t in n.targets)))
-    tree = _tree(release.root, MAMBA_UTILS)
+    tree = parse(release.root, MAMBA_UTILS)
     assert set(kernels) <= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     launches = {k: [] for k in kernels}
-    ctx = _class(tree, "MambaSpecDecodeGPUContext")
+    ctx = class_def(tree, "MambaSpecDecodeGPUContext")
     for method in (f for f in ctx.body if isinstance(f, ast.FunctionDef)):
         for n in ast.walk(method):
             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
@@ -292,7 +275,7 @@ def test_the_align_kernels_are_launched_only_by_their_module_global_names(releas
     # every mention of a kernel's name in the module is its definition or one of those launches
     mentions = sum(isinstance(n, ast.Name) and n.id in kernels for n in ast.walk(tree))
     assert mentions == sum(map(len, launches.values())), release.series
-    v2 = ast.unparse(_tree(release.root, V2_MAMBA))
+    v2 = ast.unparse(parse(release.root, V2_MAMBA))
     assert "run_fused_precopy(" in v2 and "run_fused_postprocess_align(" in v2, release.series
     assert {"run_fused_precopy", "run_fused_postprocess_align"} <= set(
         launches["precopy_mamba_align_fused_kernel"] + launches["postprocess_mamba_fused_kernel"])
@@ -308,7 +291,7 @@ def test_the_spec_rows_the_in_place_step_reads_are_the_spec_conv_output(release)
     release's `_forward_core` assigns the spec conv's output and passes that name, unchanged,
     to `self.rearrange_mixed_qkv`."""
     conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
-    core = _function(_class(_tree(release.root, GDN), "QwenGatedDeltaNetAttention").body,
+    core = function_def(class_def(parse(release.root, GDN), "QwenGatedDeltaNetAttention").body,
                      "_forward_core")
     spec_out = {t.id for n in ast.walk(core) if isinstance(n, ast.Assign)
                 and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
@@ -343,7 +326,7 @@ def test_the_stock_recurrence_takes_the_keywords_the_one_page_path_passes(releas
     parameter of the release's function."""
     rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
     path = "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py"
-    fn = _function(_tree(release.root, path).body, rec_name)
+    fn = function_def(parse(release.root, path).body, rec_name)
     params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
     stand_in = _plugin_function("gdn_gpu.py", "routed_recurrence")
     passed = {k.arg for n in ast.walk(stand_in) if isinstance(n, ast.Call)
