@@ -1,11 +1,11 @@
-"""r9k.align_graphs' setting: checked at registration (a bad value stops the engine at start
+"""r9k.plugin.align_graphs' setting: checked at registration (a bad value stops the engine at start
 and replaces nothing), `0` runs the align copies eagerly. The captures themselves need a GPU:
 tests/gpu/test_onepage_align_hook_gpu.py::test_repeated_launches_replay_as_a_cuda_graph."""
 from types import SimpleNamespace
 
 import pytest
 
-from r9k import align_graphs, onepage_align
+from r9k.plugin import align_graphs, onepage_align
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from r9k import capacity as cap
+from r9k.core import capacity as cap
 from r9k.cli import main
 
 GIB = 1 << 30
@@ -195,7 +195,7 @@ def test_import_capacity_pulls_in_neither_click_nor_the_tiny_model():
     import subprocess
     import sys
 
-    code = ("import sys, r9k.capacity as c; c.preset('tiny'); "
+    code = ("import sys, r9k.core.capacity as c; c.preset('tiny'); "
             "print(sorted(m for m in ('click', 'r9k.cli', 'r9k.devtools', 'r9k.devtools.tiny_model', "
             "'torch', 'vllm', 'pydantic') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

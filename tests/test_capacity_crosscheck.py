@@ -5,7 +5,7 @@ the installed vLLM 0.32's, and 0.33's and 0.34's (their Python sources staged fr
 vLLM's side (tests/doubles/vllm_accounting.py): layer specs from the model classes' spec methods
 and the QSA layer's spec, the platform's hybrid block-size alignment, the KV cache layout
 resolution, `get_kv_cache_configs` (grouping, padding layers, num_blocks) and
-`get_kv_cache_capacity` (the logged token count). The planner (r9k.capacity) must agree exactly
+`get_kv_cache_capacity` (the logged token count). The planner (r9k.core.capacity) must agree exactly
 on the attention block size, the block count, the blocks per request and the tokens.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from doubles.vllm_accounting import import_vllm_model_modules, vllm_accounting
 from doubles.vllm_releases import RELEASES, staged
-from r9k import capacity as cap
+from r9k.core import capacity as cap
 from r9k.compat import series
 
 GIB = 1 << 30

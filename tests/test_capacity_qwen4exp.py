@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from doubles.vllm_accounting import import_plugin_qwen4exp_classes, import_vllm_model_modules
-from r9k import capacity as cap
-from r9k import page_layout as pl
+from r9k.core import capacity as cap
+from r9k.core import page_layout as pl
 from r9k.cli import main as cli
 
 GIB = 1 << 30
@@ -38,7 +38,7 @@ def _vllm_config(hf, arch: str, tp: int, k: int, ssm_dtype: str):
 def _one_page_layer(cfg, hf):
     """The plugin's one-page GDN layer with the attributes vLLM's GatedDeltaNetAttention.__init__
     sets from the config (building it for real needs TP groups and weights)."""
-    from r9k.gdn_layer import OnePageGatedDeltaNetAttention
+    from r9k.plugin.gdn_layer import OnePageGatedDeltaNetAttention
 
     layer = OnePageGatedDeltaNetAttention.__new__(OnePageGatedDeltaNetAttention)
     torch.nn.Module.__init__(layer)

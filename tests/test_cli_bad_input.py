@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from doubles.ops_host import CardSpec, build_host_tree, read_cap_watts
 from r9k.cli import main
-from r9k.config_errors import YamlKeyError, load_yaml_strict
-from r9k.errors import FiniteFloat
+from r9k.core.config_errors import YamlKeyError, load_yaml_strict
+from r9k.cli_errors import FiniteFloat
 
 A = "0000:03:00.0"
 COMPLEX_KEY = "? [a, b]\n: 1\n"

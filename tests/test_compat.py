@@ -12,7 +12,7 @@ import pytest
 from doubles.source_ast import GDN, class_def, function_def, parse, self_attrs
 from doubles.vllm_releases import release_params, source_root
 from r9k import compat
-from r9k.policy import vllm_version_reason
+from r9k.plugin.policy import vllm_version_reason
 
 BASE_KWARGS = ("prefix", "gqa_interleaved_layout", "reduce_results")
 
@@ -99,7 +99,7 @@ def test_one_page_layer_refuses_keywords_the_release_does_not_take():
     pytest.importorskip("vllm")
     import torch
 
-    from r9k.gdn_layer import OnePageGatedDeltaNetAttention as L
+    from r9k.plugin.gdn_layer import OnePageGatedDeltaNetAttention as L
 
     layer = torch.nn.Module.__new__(L)
     with pytest.raises(TypeError, match=r"overlap_ba_proj.*vLLM 0\.32 takes \(\)"):
@@ -144,7 +144,7 @@ def test_planner_block_default_is_the_release_default(version, series):
     """The planner's per-release default cache block (0.34 raised it from 16 to 64 tokens: on
     the H200 every 0.34 engine's block was 64-aligned) is `CacheConfig.DEFAULT_BLOCK_SIZE` of
     that release's source; the planner knows exactly the releases r9k.compat knows."""
-    from r9k import capacity as cap
+    from r9k.core import capacity as cap
 
     tree = parse(source_root(version), "vllm/config/cache.py")
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheConfig")
@@ -156,7 +156,7 @@ def test_planner_block_default_is_the_release_default(version, series):
 
 
 def test_planner_refuses_unknown_release_and_cpu_past_032():
-    from r9k import capacity as cap
+    from r9k.core import capacity as cap
 
     shape = cap.preset("flash-next")
     kw = dict(tp=4, num_spec=3, kv_bytes_per_rank=20 << 30, max_model_len=65536)
@@ -175,7 +175,7 @@ def test_cpu_engines_past_032_keep_stock_pages(monkeypatch):
 
     import vllm
 
-    from r9k.policy import cpu_engine_reason
+    from r9k.plugin.policy import cpu_engine_reason
 
     monkeypatch.delenv("R9K_VLLM_UNPROVEN", raising=False)
 

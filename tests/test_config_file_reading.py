@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from r9k.cli import main
-from r9k.config_errors import CONFIG_MAX_BYTES, read_config_bytes
+from r9k.core.config_errors import CONFIG_MAX_BYTES, read_config_bytes
 
 
 def _r9k(*args):

@@ -1,17 +1,17 @@
-"""r9k.draft_graphs: the draft model's later MTP steps get a CUDA graph at max_num_seqs.
+"""r9k.plugin.draft_graphs: the draft model's later MTP steps get a CUDA graph at max_num_seqs.
 
 vLLM's own `VllmConfig._set_cudagraph_sizes` (the installed 0.32 source) runs here on a config
 double; what it computes is what a GPU engine captures (the V2 runner's draft decode graphs take
 the sizes up to max_num_seqs). The speed-up itself is measured on the GPU engine
-(bench/results/gpu_perf_draft_graphs_k3_summary_h200.md)."""
+(lab/results/gpu_perf_draft_graphs_k3_summary_h200.md)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from r9k import policy
-from r9k.draft_graphs import install
+from r9k.plugin import policy
+from r9k.plugin.draft_graphs import install
 
 
 def config(max_num_seqs: int, k: int, sizes: list[int] | None = None):
@@ -114,7 +114,7 @@ def test_the_pure_rule():
 
 @pytest.mark.parametrize("value", ["yes", "2", ""])
 def test_a_bad_setting_stops_registration(monkeypatch, value):
-    import r9k.plugin as plugin
+    import r9k.plugin.entry as plugin
 
     monkeypatch.setenv(policy.DRAFT_GRAPHS_ENV, value)
     with pytest.raises(ValueError, match=r"R9K_DRAFT_GRAPHS=.*expected 1 \(default\) or 0"):
@@ -129,7 +129,7 @@ def test_registration_wraps_vllms_config():
     import subprocess
     import sys
 
-    code = ("from r9k import plugin; plugin.register(); from vllm.config import VllmConfig; "
+    code = ("from r9k import register; register(); from vllm.config import VllmConfig; "
             "m = VllmConfig._set_cudagraph_sizes; print(getattr(m, 'r9k_wrapped', False))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -6,7 +6,8 @@ import types
 import pytest
 import torch
 
-from r9k import compat, gdn_cpu
+from r9k import compat
+from r9k.plugin import gdn_cpu
 
 WIDTH = 4
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r9k import capacity as cap
+from r9k.core import capacity as cap
 from r9k.devtools.tiny_model import make_tiny
 
 LAYER = "model.layers.0.linear_attn"
@@ -20,7 +20,7 @@ DIMS_128 = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
 def one_rank():
     """A one-rank gloo group (vLLM's layers read the TP size at construction)."""
     from doubles.one_rank import one_rank_group
-    from r9k.plugin import register
+    from r9k.plugin.entry import register
 
     register()
     with one_rank_group():
@@ -137,7 +137,7 @@ def test_where_vllm_picks_nvidias_fused_mtp_decode_one_page_keeps_its_step(
 def test_the_bound_page_is_the_pool_page(one_rank, cuda_alike, tmp_path, monkeypatch):
     """The spec the layer hands vLLM and the views it binds: conv, SSM, record, flag, sized by
     the capacity module, in one page of the model class's size."""
-    from r9k.models.qwen3_next import OnePageQwen3NextForCausalLM as Model
+    from r9k.plugin.models.qwen3_next import OnePageQwen3NextForCausalLM as Model
 
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
     cfg = _engine_config(tmp_path, k=7)

@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from r9k.http_client import HttpUnreachable, http_get, http_request
+from r9k.core.http_client import HttpUnreachable, http_get, http_request
 
 
 class RawServer:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r9k import onepage_align as oa
+from r9k.plugin import onepage_align as oa
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import GdnHeads
-from r9k.page_layout import FLAG_DTYPE, PAGE_CONV, PAGE_FLAG, PAGE_RECORD, PAGE_SSM, RECORD_SLOTS
+from r9k.core.page_layout import FLAG_DTYPE, PAGE_CONV, PAGE_FLAG, PAGE_RECORD, PAGE_SSM, RECORD_SLOTS
 
 
 class LayerStandIn:
-    """What `r9k.onepage_align` reads of a one-page GDN layer."""
+    """What `r9k.plugin.onepage_align` reads of a one-page GDN layer."""
 
     def __init__(self, prefix, kv_cache, heads):
         self.prefix, self.kv_cache, self.onepage_heads = prefix, kv_cache, heads

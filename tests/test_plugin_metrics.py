@@ -7,9 +7,9 @@ import importlib.metadata
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from r9k import capacity as cap
+from r9k.core import capacity as cap
 from r9k.devtools.tiny_model import make_tiny
-from r9k.vllm_metrics import PLUGIN_INFO_LABELS, parse_vllm_metrics
+from r9k.core.vllm_metrics import PLUGIN_INFO_LABELS, parse_vllm_metrics
 
 K = 3
 
@@ -31,7 +31,7 @@ def _config(model, prefix_caching=False):
 
 
 def _exported(vllm_config) -> dict[str, str]:
-    from r9k.plugin_metrics import PageModeInfoLogger
+    from r9k.plugin.metrics import PageModeInfoLogger
 
     PageModeInfoLogger(vllm_config, [0])
     return parse_vllm_metrics(generate_latest(REGISTRY).decode()).plugin
@@ -42,7 +42,7 @@ def test_entry_point_is_a_vllm_stat_logger():
 
     ep = next(e for e in importlib.metadata.entry_points(group="vllm.stat_logger_plugins")
               if e.name == "r9k")
-    assert ep.value == "r9k.plugin_metrics:PageModeInfoLogger"
+    assert ep.value == "r9k.plugin.metrics:PageModeInfoLogger"
     assert ep.load() in load_stat_logger_plugin_factories()
 
 

@@ -26,7 +26,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from r9k import capacity as cap
+from r9k.core import capacity as cap
 from r9k.cli import main
 from r9k.devtools import tiny_model as tm
 
@@ -241,15 +241,15 @@ def vllm_rank():
 
     from vllm import ModelRegistry
 
-    from r9k.plugin import register
+    from r9k.plugin.entry import register
 
     register()
     with _torchvision_stand_in():
         import vllm.models.qwen4_exp as qwen4_exp
         from vllm.model_executor.models import qwen3_5_mtp
 
-        from r9k.models import qwen3_5 as onepage
-        from r9k.models import qwen4_exp as onepage4
+        from r9k.plugin.models import qwen3_5 as onepage
+        from r9k.plugin.models import qwen4_exp as onepage4
         # after the model module: qsa imported first is a circular import
         from vllm.models.qwen4_exp.nvidia import qsa
     classes = {name: getattr(onepage, f"OnePage{name}") for name in
@@ -401,7 +401,7 @@ def test_vllm_sizes_the_same_gdn_pages_as_for_qwen3_next(vllm_rank, checkpoints,
     for name in ("qwen3_next", arch):
         cfg = _engine_config(checkpoints[name, "gdn"])
         cls = get_model_cls(cfg.model_config)
-        assert cls.__module__.startswith("r9k.models."), cls
+        assert cls.__module__.startswith("r9k.plugin.models."), cls
         if name == "qwen4_exp":  # its GDN layers' page (the PLE layer keeps its own)
             shapes[name] = (cls.get_gdn_mamba_state_shape_from_config(cfg),
                             cls.get_gdn_mamba_state_dtype_from_config(cfg))

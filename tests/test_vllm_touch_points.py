@@ -5,18 +5,18 @@ Each test names the plugin code that relies on the release and what it relies on
 release that breaks a touch point fails here, by name, before any engine runs:
 
 - the one-page GPU path runs vLLM's `_forward_core` with two module-global calls routed
-  (`r9k.gdn_gpu.bind_routed_forward_core`);
+  (`r9k.plugin.gdn_gpu.bind_routed_forward_core`);
 - the custom op reaches a layer's `_forward_core` by keywords (`OnePageGatedDeltaNetAttention.
   _forward_core` overrides it);
-- the layer picks its forward through `CustomOp._forward_method` (`r9k.gdn_layer`);
-- the per-layer decode switches the plugin turns off (`r9k.gdn_layer`);
+- the layer picks its forward through `CustomOp._forward_method` (`r9k.plugin.gdn_layer`);
+- the per-layer decode switches the plugin turns off (`r9k.plugin.gdn_layer`);
 - the metadata builder's persistent index buffer and V2's per-step sharing
-  (`r9k.gdn_layer.OnePageGDNMetadataBuilder`, `r9k.compat.metadata_sharing`);
-- `VllmConfig._set_cudagraph_sizes` (`r9k.draft_graphs`);
-- `op_registry_oot` (`r9k.gdn_layer.register_layer`);
-- the align copy kernels' module globals (`r9k.onepage_align.install_gpu_kernels`);
-- the spec rows the in-place step reads (`r9k.gdn_gpu.rearrange_in_place`);
-- the stock recurrence's keywords (`r9k.gdn_gpu.routed_recurrence`).
+  (`r9k.plugin.gdn_layer.OnePageGDNMetadataBuilder`, `r9k.compat.metadata_sharing`);
+- `VllmConfig._set_cudagraph_sizes` (`r9k.plugin.draft_graphs`);
+- `op_registry_oot` (`r9k.plugin.gdn_layer.register_layer`);
+- the align copy kernels' module globals (`r9k.plugin.onepage_align.install_gpu_kernels`);
+- the spec rows the in-place step reads (`r9k.plugin.gdn_gpu.rearrange_in_place`);
+- the stock recurrence's keywords (`r9k.plugin.gdn_gpu.routed_recurrence`).
 
 The align copy kernels, the CPU ports, the GDN constructor keywords, the prefill checkpoints
 and the registry's modules are checked per release in tests/kernels/test_align_versions.py,
@@ -34,7 +34,7 @@ from doubles.source_ast import GDN, class_def, function_def, parse, self_attrs
 from doubles.vllm_releases import release_params, source_root
 from r9k import compat
 
-PLUGIN = Path(__file__).resolve().parents[1] / "r9k_plugin"
+PLUGIN = Path(__file__).resolve().parents[1] / "src" / "r9k" / "plugin"
 GDN_ATTN = "vllm/v1/attention/backends/gdn_attn.py"
 CONV = "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"
 RELEASES = [pytest.param(p.values, id=p.id) for p in release_params()]
@@ -210,7 +210,7 @@ def test_the_builders_buffers_the_one_page_builder_replaces(release):
 
 
 def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
-    """`r9k.draft_graphs.install` wraps `VllmConfig._set_cudagraph_sizes(self)`, reads
+    """`r9k.plugin.draft_graphs.install` wraps `VllmConfig._set_cudagraph_sizes(self)`, reads
     `cudagraph_capture_sizes` and `compile_sizes` after it and adds max_num_seqs to both: the
     release has the method, taking only self, setting `compilation_config.
     cudagraph_capture_sizes` and ending in `post_init_cudagraph_sizes()`, which expands the
@@ -254,7 +254,7 @@ V2_MAMBA = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
 
 
 def test_the_align_kernels_are_launched_only_by_their_module_global_names(release):
-    """`r9k.onepage_align.install_gpu_kernels` replaces the two align copy kernels in
+    """`r9k.plugin.onepage_align.install_gpu_kernels` replaces the two align copy kernels in
     `mamba_utils`' namespace: the release defines both there, launches each only as
     `NAME[grid](...)` by that global name, from the GPU context's methods the V2 runner calls,
     and no other module of the release names them (nothing holds its own reference)."""

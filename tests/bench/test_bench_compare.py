@@ -87,7 +87,7 @@ def test_partial_results_aggregate_only_paired_repeats(tmp_path):
 
 def test_the_client_opens_a_connection_per_request():
     """Kept-alive connections reused against vLLM's server failed requests once they queued for
-    seconds (bench/results/compare_cpu_admission.md): each request now has its own."""
+    seconds (lab/results/compare_cpu_admission.md): each request now has its own."""
     import asyncio
 
     from r9k.bench.client import drive, new_session

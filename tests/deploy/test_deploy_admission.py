@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.deploy.config import FleetConfig, FleetConfigError, load_fleet, parse_fleet, planned_pool
 from r9k.deploy.engine import engine_argv
 

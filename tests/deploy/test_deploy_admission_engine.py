@@ -19,8 +19,8 @@ from r9k.deploy.placement import Assignment
 from r9k.deploy.server import ServerProcess
 from r9k.devtools.local_server import free_port, http_json
 from r9k.devtools.tiny_model import make_tiny
-from r9k.http_client import http_get
-from r9k.vllm_metrics import parse_vllm_metrics
+from r9k.core.http_client import http_get
+from r9k.core.vllm_metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from r9k.cli import main
 from r9k.deploy.config import FleetConfigError, load_fleet, parse_fleet
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "r9k" / "deploy" / "examples"
 
 
 def fleet_text(**over) -> str:
@@ -85,7 +85,7 @@ def test_unknown_model_path_is_refused(tmp_path):
 
 @pytest.mark.parametrize("tp", range(1, 9))
 def test_fleet_and_planner_agree_on_tp_and_k(tp):
-    from r9k import capacity
+    from r9k.core import capacity
 
     models = [{"name": "m", "path": "/x", "tp": tp, "kv_cache_memory_bytes": 1 << 30,
                "speculative": {"k": capacity.MAX_NUM_SPEC}}]

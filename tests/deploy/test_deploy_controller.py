@@ -192,11 +192,11 @@ def test_launch_then_one_metrics_read_proves_onepage_and_makes_ready(fleet):
 
 
 def test_fleet_status_is_one_typed_model_that_monitoring_reads(fleet):
-    """The controller builds r9k.fleet_status.FleetStatus (no plain dict), the
+    """The controller builds r9k.core.fleet_status.FleetStatus (no plain dict), the
     entry point serves its JSON, and the exporter validates the same model back to equal."""
     import json
 
-    from r9k.fleet_status import FleetStatus
+    from r9k.core.fleet_status import FleetStatus
     from r9k.monitoring import replicas as monitoring_replicas
 
     c, r = fleet

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from r9k.cli import main
 from r9k.devtools.local_server import free_port
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 from r9k.deploy.entry import EntryPoint, Route
 from r9k.monitoring.replicas import FleetStatus
 

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from r9k.deploy.entry import EntryPoint, Route
 from r9k.devtools.local_server import free_port
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 
 from doubles.entry_fleet import LoopServers, Table
 

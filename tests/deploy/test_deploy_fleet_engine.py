@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.deploy.config import parse_fleet
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 from r9k.monitoring.replicas import FleetStatus
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -151,7 +151,7 @@ def complete(f, prompt="The state of the page is", max_tokens=8, stream=False, t
 def logged_kv_tokens(f, name: str) -> int | None:
     """The engine's own "KV cache size" line in the replica's newest log (the proof reads
     /metrics; the log is the independent witness of the pool vLLM sized)."""
-    from r9k.devtools.engine_runs import KV_LINE
+    from lab.engine_runs import KV_LINE
 
     newest = max((f.base / "run" / "logs").glob(f"{name}.*.log"), key=lambda p: p.stat().st_mtime)
     m = KV_LINE.search(newest.read_text(errors="replace"))

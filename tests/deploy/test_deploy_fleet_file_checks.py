@@ -183,7 +183,7 @@ def test_slow_clients_do_not_starve_normal_ones():
     from doubles.entry_fleet import LoopServers, Table
     from r9k.deploy.entry import EntryPoint, serve
     from r9k.devtools.local_server import free_port
-    from r9k.http_client import http_request
+    from r9k.core.http_client import http_request
 
     servers = LoopServers()
     entry = EntryPoint(Table([]))
@@ -232,8 +232,8 @@ def test_ipv6_replica_urls_are_bracketed_reached_and_probed_for_ports():
     from r9k.deploy.entry import EntryPoint, Route
     from r9k.deploy.server import ApiServerLaunch
     from r9k.deploy.supervisor import _port_free
-    from r9k.fleet_status import ReplicaDescription
-    from r9k.http_client import host_url
+    from r9k.core.fleet_status import ReplicaDescription
+    from r9k.core.http_client import host_url
     from r9k.monitoring.replicas import parse_replica_spec
 
     assert host_url("::1", 8100) == "http://[::1]:8100" == host_url("[::1]", 8100)

@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.deploy.engine import prove_pages
 from r9k.deploy.health import (EXITED, HUNG, NO_HEARTBEAT, HealthLimits, ReadyHealth, Verdict,
                                restart_backoff_s)
-from r9k.vllm_metrics import VllmMetrics, parse_vllm_metrics
+from r9k.core.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 LIMITS = HealthLimits(heartbeat_timeout_s=10, progress_timeout_s=30, grace_after_ready_s=20)
 

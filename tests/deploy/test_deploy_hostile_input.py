@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from r9k.deploy.controller import admin_body
 from r9k.deploy.routing import POLICIES, EngineLoad, choose, pool_score
-from r9k.vllm_metrics import parse_vllm_metrics
+from r9k.core.vllm_metrics import parse_vllm_metrics
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
                     lambda inner: st.lists(inner, max_size=3)

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from r9k.deploy.config import parse_fleet
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux")]

@@ -11,7 +11,7 @@ from r9k.deploy.lifecycle import (DRAINING, LOADING, READY, STOPPED, UNHEALTHY, 
                                   Note, Observation, Replace, ReplicaLifecycle, RestartAfter,
                                   RollingRestart, StartEngine, ops_fence_changes, replicas_to_drain)
 from r9k.deploy.health import EXITED, HUNG, NO_HEARTBEAT
-from r9k.vllm_metrics import VllmMetrics
+from r9k.core.vllm_metrics import VllmMetrics
 
 HEALTH = HealthSpec(probe_interval_s=1, heartbeat_timeout_s=20, progress_timeout_s=8,
                     startup_timeout_s=900, grace_after_ready_s=2, restart_backoff_s=5,

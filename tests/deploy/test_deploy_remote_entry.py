@@ -15,7 +15,7 @@ from aiohttp import web
 
 from r9k.deploy.entry import EntryPoint, Route
 from r9k.deploy.remote_entry import RemoteBackend
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 
 from doubles.entry_fleet import LoopServers, Table
 
@@ -172,7 +172,7 @@ def test_remote_entry_routes_pool_aware_from_the_controllers_engine_loads():
     its age); the remote entry scores replicas by it as the controller's own entry point does:
     the replica with the freer pool and shorter queue wins, a stale load counts as unknown."""
     from r9k.deploy.routing import STALE_S, choose
-    from r9k.fleet_status import EngineLoadStatus, FleetStatus, ReplicaStatus
+    from r9k.core.fleet_status import EngineLoadStatus, FleetStatus, ReplicaStatus
 
     def replica_status(name, load):
         return ReplicaStatus(name=name, url=f"http://127.0.0.1:1{name[-1]}", model="m", state="ready",

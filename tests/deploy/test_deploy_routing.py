@@ -14,7 +14,7 @@ from r9k.deploy.entry import EntryPoint, Route
 from r9k.deploy.routing import (
     AFFINITY_LOAD_FACTOR, MIN_FREE_POOL, STALE_S, EngineLoad, choose, pool_score, prefix_key,
     rendezvous, requests_ahead)
-from r9k.http_client import http_request
+from r9k.core.http_client import http_request
 
 from doubles.entry_fleet import LoopServers, Table
 

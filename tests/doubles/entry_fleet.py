@@ -9,7 +9,7 @@ from aiohttp import web
 
 from r9k.deploy.entry import EntryPoint, Route, serve
 from r9k.devtools.local_server import free_port
-from r9k.fleet_status import FleetStatus, ReplicaStatus
+from r9k.core.fleet_status import FleetStatus, ReplicaStatus
 
 
 class LoopServers:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "src" / "r9k" / "monitoring"
 
 
 def prometheus_tool(name: str) -> str:

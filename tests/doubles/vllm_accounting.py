@@ -7,7 +7,7 @@ class's `get_mamba_specs_from_config` / `get_mamba_state_{shape,dtype}_from_conf
 spec recipe, the Qwen4Exp QSA layer's `get_kv_cache_spec`), aligns the attention block size with
 the platform's `_align_hybrid_block_size`, resolves the KV cache layout, and runs
 `v1/core/kv_cache_utils.py` (`get_kv_cache_configs`, `get_kv_cache_capacity`): the numbers an
-engine would log. The planner (`r9k.capacity`) is held to them in tests/test_capacity_crosscheck.py.
+engine would log. The planner (`r9k.core.capacity`) is held to them in tests/test_capacity_crosscheck.py.
 
 What stands in for an engine here, and why:
 - the vllm_config is a namespace carrying the fields those functions read (a real `CacheConfig`,
@@ -22,8 +22,8 @@ What stands in for an engine here, and why:
   (`ModelRegistry.resolve_model_cls`) are pointed at the backend and class of the shape, since
   no model is constructed;
 - the one-page GDN layer's spec is the stock spec with `num_speculative_blocks=0`, as
-  `OnePageGatedDeltaNetAttention.get_kv_cache_spec` (r9k/gdn_layer.py) builds it; its state
-  shapes and dtypes come from the plugin's model class (r9k/models/sizing.py mixins) applied to
+  `OnePageGatedDeltaNetAttention.get_kv_cache_spec` (src/r9k/plugin/gdn_layer.py) builds it; its state
+  shapes and dtypes come from the plugin's model class (src/r9k/plugin/models/sizing.py mixins) applied to
   vLLM's class, as the plugin registers it.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def import_vllm_model_modules() -> dict[str, Any]:
         Qwen4ExpQSAFlashAttentionBackend = getattr(  # 0.34: Qwen4ExpQSABackend
             qsa, "Qwen4ExpQSAFlashAttentionBackend", None) or qsa.Qwen4ExpQSABackend
 
-        from r9k.models.sizing import OnePageGdnSizing, OnePageSizing
+        from r9k.plugin.models.sizing import OnePageGdnSizing, OnePageSizing
     _MODULES.update(
         Qwen3NextForCausalLM=Qwen3NextForCausalLM, Qwen3_5ForCausalLM=Qwen3_5ForCausalLM,
         Qwen4ExpForCausalLM=Qwen4ExpForCausalLM, Qwen4ExpQSAAttention=Qwen4ExpQSAAttention,
@@ -187,7 +187,7 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
                                                   resolve_kv_cache_layout)
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    import r9k.models.sizing as sizing
+    import r9k.plugin.models.sizing as sizing
 
     mods = import_vllm_model_modules()
     hf = _text_config(family, fields)
@@ -331,8 +331,8 @@ def vllm_accounting(family: str, fields: dict[str, Any], *, tp: int, num_spec: i
 
 
 def import_plugin_qwen4exp_classes() -> tuple[type, type]:
-    """The plugin's OnePageQwen4ExpForCausalLM and ...ForConditionalGeneration (r9k.models)."""
+    """The plugin's OnePageQwen4ExpForCausalLM and ...ForConditionalGeneration (r9k.plugin.models)."""
     with _torchvision_stand_in():
-        from r9k.models.qwen4_exp import (OnePageQwen4ExpForCausalLM,
+        from r9k.plugin.models.qwen4_exp import (OnePageQwen4ExpForCausalLM,
                                           OnePageQwen4ExpForConditionalGeneration)
     return OnePageQwen4ExpForCausalLM, OnePageQwen4ExpForConditionalGeneration

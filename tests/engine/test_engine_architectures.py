@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from r9k import capacity as cap
-from r9k.devtools.engine_runs import EngineSpec, run
-from r9k.devtools.engine_scenarios import scenarios
+from r9k.core import capacity as cap
+from lab.engine_runs import EngineSpec, run
+from lab.engine_scenarios import scenarios
 from r9k.devtools.tiny_model import make_tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]

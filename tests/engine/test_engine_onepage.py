@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from r9k import capacity as cap
-from r9k.devtools.engine_runs import EngineRunError, EngineSpec, run
+from r9k.core import capacity as cap
+from lab.engine_runs import EngineRunError, EngineSpec, run
 from r9k.devtools.tiny_model import make_tiny
 
-from r9k.devtools.engine_scenarios import scenarios
+from lab.engine_scenarios import scenarios
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
@@ -66,7 +66,7 @@ def test_onepage_token_identical_to_stock(tiny, k):
 @pytest.mark.parametrize("k", [3, 7])
 def test_each_step_schedule_is_recorded_and_equal_in_both_engines(tiny, k):
     """Same ids, same schedule; the record is the one the GPU copies' deviations are read with."""
-    from r9k.devtools.engine_runs import first_token_step, schedule_digest
+    from lab.engine_runs import first_token_step, schedule_digest
 
     stock, onepage = engine(tiny, k, "stock"), engine(tiny, k, "onepage")
     for name in ("batch", "copies", "alone", "join"):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from r9k import capacity as cap
-from r9k.devtools.engine_runs import EngineSpec, run
-from r9k.devtools.engine_scenarios import (
+from r9k.core import capacity as cap
+from lab.engine_runs import EngineSpec, run
+from lab.engine_scenarios import (
     SMALL_POOL_KV_BYTES, preempt_scenarios, prefix_scenarios, prompt)
 from r9k.devtools.tiny_model import make_tiny
 

@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.deploy.engine import prove_pages
 from r9k.devtools.local_server import LocalServer
-from r9k.vllm_metrics import parse_vllm_metrics
+from r9k.core.vllm_metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

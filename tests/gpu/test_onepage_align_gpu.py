@@ -11,9 +11,9 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
+from r9k.core.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads, GdnInputs, onepage_verify_step  # noqa: E402
-from r9k.devtools.simulate import (  # noqa: E402
+from lab.simulate import (  # noqa: E402
     ALIGN_EVENTS, assert_bit_identical, recycled_flags, run_align_simulation)
 
 SHAPES = {"27b-tp2": GdnHeads(8, 24, 128, 128), "flash-next-tp4": GdnHeads(4, 8, 128, 128),
@@ -25,7 +25,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @pytest.mark.parametrize("state", list(DTYPES))
 @pytest.mark.parametrize("num_spec", [3, 7])
 def test_align_copies_match_stock_on_gpu(shape, state, num_spec):
-    from r9k.devtools.triton_sim import FusedStepChecked, ReplayIntoChecked, composed_backend
+    from lab.triton_sim import FusedStepChecked, ReplayIntoChecked, composed_backend
 
     copies = ReplayIntoChecked()
     counts, replayed = run_align_simulation(
@@ -39,7 +39,7 @@ def test_align_copies_match_stock_on_gpu(shape, state, num_spec):
 
 def _one_verified_step(heads, state_dtype, n, S, seed):
     """Stock slot pools and one-page pools after one verify step of S rows per sequence."""
-    from r9k.devtools.triton_sim import composed_backend
+    from lab.triton_sim import composed_backend
 
     g = torch.Generator().manual_seed(seed)
     dev = "cuda"

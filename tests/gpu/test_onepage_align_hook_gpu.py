@@ -1,4 +1,4 @@
-"""On a GPU: the plugin's stand-ins for vLLM's two align copy kernels (`r9k.onepage_align`
+"""On a GPU: the plugin's stand-ins for vLLM's two align copy kernels (`r9k.plugin.onepage_align`
 `GpuAlignKernel`, installed where vLLM's V1 and V2 runners launch them from), launched exactly as
 `MambaSpecDecodeGPUContext.run_fused_precopy` / `run_fused_postprocess` (V1) /
 `run_fused_postprocess_align` (V2) launch the originals, against:
@@ -25,9 +25,9 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.page_layout import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
+from r9k.core.page_layout import FLAG_DTYPE, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.devtools.simulate import recycled_flags  # noqa: E402
+from lab.simulate import recycled_flags  # noqa: E402
 
 DEV = "cuda"
 CONV_WIDTH = 3  # vLLM keeps conv_kernel_size - 1 tokens
@@ -36,7 +36,7 @@ HEADS = {"small": GdnHeads(2, 4, 64, 64), "27b-tp2": GdnHeads(8, 24, 128, 128)}
 
 
 class OnePageLayerDouble:
-    """What `r9k.onepage_align` reads of a one-page GDN layer: its prefix, its state tensors
+    """What `r9k.plugin.onepage_align` reads of a one-page GDN layer: its prefix, its state tensors
     (conv, SSM, record, flag; vLLM binds them as `kv_cache`), A_log, dt_bias and head counts."""
 
     def __init__(self, prefix, kv_cache, A_log, dt_bias, heads):
@@ -139,8 +139,8 @@ class World:
 
 @pytest.fixture
 def onepage_align(monkeypatch):
-    """r9k.onepage_align with empty registries (its module state is per engine process)."""
-    from r9k import onepage_align as oa
+    """r9k.plugin.onepage_align with empty registries (its module state is per engine process)."""
+    from r9k.plugin import onepage_align as oa
 
     oa.reset()
     yield oa
@@ -148,7 +148,7 @@ def onepage_align(monkeypatch):
 
 
 def _stand_ins(oa):
-    from r9k.kernels._stock_loader import mamba_align_kernels
+    from lab.stock_align import mamba_align_kernels
 
     ref = mamba_align_kernels()
     module = SimpleNamespace(precopy_mamba_align_fused_kernel=ref.precopy_mamba_align_fused_kernel,
@@ -398,7 +398,7 @@ def test_repeated_launches_replay_as_a_cuda_graph(onepage_align, state):
     with new values each step, idx_mapping a new tensor each step. The first launch runs
     eagerly, the second is captured, later ones replay; every step's bytes equal the original
     kernel's (conv, accepted counts) and the reference replay's (one-page pages)."""
-    from r9k import align_graphs
+    from r9k.plugin import align_graphs
 
     oa = onepage_align
     ref, module = _stand_ins(oa)

@@ -8,7 +8,7 @@ Shapes per TP rank: Qwen3.5-27B at TP2 (8 key heads, 24 value heads, 128/128) an
 at TP4, taken as Qwen3-Next-80B-A3B's GDN geometry (16/32 heads -> 4/8 per rank, 128/128):
 Qwen4Exp's own GDN head counts are not public here, so this is a stand-in.
 
-Tests marked `research` run the research kernel's measured variants (`r9k.bench.fused_variants`,
+Tests marked `research` run the research kernel's measured variants (`lab.fused_variants`,
 168 of them in one function); `pytest tests/gpu -m "not research"` runs what ships.
 """
 import pytest
@@ -17,10 +17,10 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-from r9k.page_layout import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
+from r9k.core.page_layout import FLAG_COUNT, FLAG_WORDS, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.devtools.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
-from r9k.bench.fused_variants import DEP_ORDERED, OWN_PAIRS, checked, measured  # noqa: E402
+from lab.simulate import SimConfig, assert_replay_coverage, run_simulation  # noqa: E402
+from lab.fused_variants import DEP_ORDERED, OWN_PAIRS, checked, measured  # noqa: E402
 
 QWEN35_27B_TP2 = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)
 FLASH_NEXT_TP4 = GdnHeads(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128)
@@ -30,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _sim(heads, variant=None, **kw):
     """`variant`: kernel knobs (a `measured` dict); none: the kernel as shipped for the dtype."""
-    from r9k.devtools.triton_sim import FusedStepChecked, composed_backend
+    from lab.triton_sim import FusedStepChecked, composed_backend
 
     chk = checked(**variant) if variant else FusedStepChecked()
     cfg = SimConfig(heads, device="cuda", **kw)
@@ -64,10 +64,10 @@ def test_no_prefetch_variant_bit_identical(shape, state, num_seqs):
          state_dtype=DTYPES[state], seed=num_seqs + 1)
 
 
-# kernel variants bench/scripts/gdn_kernel.py measures (its VARIANTS), each protocol
+# kernel variants lab/scripts/gdn_kernel.py measures (its VARIANTS), each protocol
 # piece alone: a variant may ship only with these passing on the GPU. (`pipe`, one row's
 # normalization computed a row ahead, was removed: not bit-identical on sm_90 in fp32,
-# bench/results/gdn_kernel_h200_flashnext_variants_k3.md)
+# lab/results/gdn_kernel_h200_flashnext_variants_k3.md)
 MEASURED_VARIANTS = {
     # the shipped protocol (own flag pairs), its pieces, and the count-in protocols that
     # shipped before it, on both state dtypes

@@ -10,10 +10,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("run with TRITON_INTERPRET=1")
 
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.devtools.simulate import ALIGN_EVENTS, recycled_flags, run_align_simulation  # noqa: E402
+from lab.simulate import ALIGN_EVENTS, recycled_flags, run_align_simulation  # noqa: E402
 from r9k.kernels.triton_align import ReplayLayer, ReplayPlan, onepage_replay_into  # noqa: E402
-from r9k.devtools.triton_sim import FusedStepChecked, ReplayIntoChecked, composed_backend  # noqa: E402
-from r9k.page_layout import RECORD_SLOTS  # noqa: E402
+from lab.triton_sim import FusedStepChecked, ReplayIntoChecked, composed_backend  # noqa: E402
+from r9k.core.page_layout import RECORD_SLOTS  # noqa: E402
 
 TINY = GdnHeads(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=64)
 

@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r9k import compat  # noqa: E402
 from r9k.kernels import cpu_align  # noqa: E402
-from r9k.kernels._stock_loader import mamba_align_kernels  # noqa: E402
+from lab.stock_align import mamba_align_kernels  # noqa: E402
 
 # another release's kernels (R9K_ALIGN_SOURCE: its source tree) against the ports with that
 # release's signatures (R9K_ALIGN_SERIES, from r9k.compat); default: the installed vLLM's

@@ -1,5 +1,5 @@
 """Run under one vLLM release (its staged sources first on PYTHONPATH, or the installed 0.32):
-the one-page CPU layer's spec conv (`r9k.gdn_cpu._conv_update`, with the release's
+the one-page CPU layer's spec conv (`r9k.plugin.gdn_cpu._conv_update`, with the release's
 `r9k.compat` adapter) against the release's own `_spec_forward` conv, step after step on the
 same pages, and which of them takes the native AMX/ARM conv. Prints one JSON line.
 
@@ -16,7 +16,8 @@ import torch
 import vllm
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as stock
 
-from r9k import compat, gdn_cpu
+from r9k import compat
+from r9k.plugin import gdn_cpu
 
 WIDTH = 4
 

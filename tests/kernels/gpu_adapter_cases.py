@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (fresh process): the plugin's GPU-path adapter (r9k.gdn_gpu)
+"""Run under TRITON_INTERPRET=1 (fresh process): the plugin's GPU-path adapter (r9k.plugin.gdn_gpu)
 routes vLLM's spec-path calls into the one-page step exactly as a direct call would, through
 vLLM's own `_forward_core` code bound to a one-page layer, without touching vLLM's module."""
 import functools
@@ -12,8 +12,8 @@ import vllm.forward_context as fc  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_gdn  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
-from r9k import gdn_gpu  # noqa: E402
-from r9k.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
+from r9k.plugin import gdn_gpu  # noqa: E402
+from r9k.core.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.gpu_step import onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads, set_live  # noqa: E402
 

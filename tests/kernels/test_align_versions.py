@@ -88,7 +88,7 @@ def test_cpu_ports_match_the_release_kernels_under_interpreter(version, series):
 def test_one_page_ports_refuse_the_replayssm_flags():
     """The flags hand temporal states to vLLM's ReplaySSM; a one-page GDN state is temporal and
     replays its record, so a launch with a flag set and a one-page layer present stops."""
-    from r9k import onepage_align
+    from r9k.plugin import onepage_align
 
     fake = {0: (object(), 0)}
     for flag in ("ZERO_TEMPORAL_TOKEN_BIAS", "SKIP_TEMPORAL_STATE_COPY"):

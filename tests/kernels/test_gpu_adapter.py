@@ -1,4 +1,4 @@
-"""The plugin's GPU path glue (r9k.gdn_gpu) without a GPU: vLLM's `_forward_core` is bound once
+"""The plugin's GPU path glue (r9k.plugin.gdn_gpu) without a GPU: vLLM's `_forward_core` is bound once
 per one-page layer with its two spec-path calls routed and vLLM's module left untouched; run on
 a spec + non-spec decode batch, the spec recurrence runs the fused kernel under Triton's
 interpreter exactly as a direct step call does, the conv update gets S from the configuration,

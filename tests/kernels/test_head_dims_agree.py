@@ -1,4 +1,4 @@
-"""One rule for the GDN head dims one-page serves (r9k.page_layout), read by the policy (stock
+"""One rule for the GDN head dims one-page serves (r9k.core.page_layout), read by the policy (stock
 pages at start), the kernel launch (refused) and the planner (noted), checked to agree over a
 grid. Where they disagree, the policy accepts a dim the kernel refuses at its first step (key
 dim 192: an engine that starts one-page and fails serving) or refuses one the kernel and the
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from r9k import capacity as cap
-from r9k.page_layout import head_dims_reason
-from r9k.policy import unservable_shape_reason
+from r9k.core import capacity as cap
+from r9k.core.page_layout import head_dims_reason
+from r9k.plugin.policy import unservable_shape_reason
 
 KEY_DIMS = (16, 32, 64, 96, 128, 192, 256, 512)
 VALUE_DIMS = (16, 24, 48, 64, 128)

@@ -13,9 +13,9 @@ steps after a copy (which read the copied pages) equal too.
 import pytest
 import torch
 
-from r9k.page_layout import FLAG_COUNT, FLAG_DTYPE, RECORD_SLOTS
+from r9k.core.page_layout import FLAG_COUNT, FLAG_DTYPE, RECORD_SLOTS
 from r9k.kernels.onepage import GdnHeads, TorchReference, replay_into, set_live
-from r9k.devtools.simulate import ALIGN_EVENTS, run_align_simulation
+from lab.simulate import ALIGN_EVENTS, run_align_simulation
 
 HEADS = GdnHeads(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
 

@@ -7,10 +7,10 @@ after every step outputs are torch.equal and the checkpoint equals the slot stoc
 import pytest
 import torch
 
-from r9k.page_layout import FLAG_COUNT, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
+from r9k.core.page_layout import FLAG_COUNT, FLAG_SLOT, FLAG_WORDS, RECORD_SLOTS
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnHeads, GdnInputs, TorchReference, clear_records, onepage_verify_step)
-from r9k.devtools.simulate import SimConfig, assert_replay_coverage, run_simulation
+from lab.simulate import SimConfig, assert_replay_coverage, run_simulation
 
 SMALL = GdnHeads(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
 

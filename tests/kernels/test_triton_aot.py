@@ -10,8 +10,8 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from r9k.bench.fused_variants import DEP_ORDERED, measured  # noqa: E402
-from r9k.bench.kernel_static import fused_compiled, shipped_compiled, stock_compiled  # noqa: E402
+from lab.fused_variants import DEP_ORDERED, measured  # noqa: E402
+from lab.kernel_static import fused_compiled, shipped_compiled, stock_compiled  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
 
 R9700 = GPUTarget("hip", "gfx1201", 32)
@@ -48,7 +48,7 @@ _FLASH_NEXT_TP2 = dict(num_k_heads=8, num_v_heads=16, head_k_dim=128, head_v_dim
 
 
 def test_programs_per_sm_follows_the_register_file():
-    from r9k.bench.kernel_static import programs_per_sm
+    from lab.kernel_static import programs_per_sm
 
     # 65,536 registers per SM in 256-register warp steps, 4 warps per program
     assert [programs_per_sm(r) for r in (64, 72, 80, 96, 113, 128, 255)] == [8, 7, 6, 5, 4, 4, 2]
@@ -58,7 +58,7 @@ def test_programs_per_sm_follows_the_register_file():
 def test_waves_per_eu_cap_reaches_stock_occupancy_on_gfx1201(state_ty):
     """On the R9700 the shipped fused kernel holds fewer waves per SIMD than stock (more live
     registers); the capped variant gdn_kernel.py measures holds as many, without spilling."""
-    from r9k.bench.kernel_static import hip_facts
+    from lab.kernel_static import hip_facts
 
     heads = GdnHeads(**_FLASH_NEXT_TP2)
     stock = hip_facts(stock_compiled(heads, state_ty, 4, R9700))
@@ -73,7 +73,7 @@ def test_maxnreg_cap_keeps_the_arithmetic_on_sm90():
     """A ptxas register cap changes registers and moves, not arithmetic: the capped kernel's
     floating-point opcode counts equal the uncapped one's (evidence for bit-identity; the H200
     tests are the proof) and it fits the cap."""
-    from r9k.bench.kernel_static import FP_OPS, cuda_facts
+    from lab.kernel_static import FP_OPS, cuda_facts
 
     h200 = GPUTarget("cuda", 90, 32)
     heads = GdnHeads(**_FLASH_NEXT_TP2)
@@ -190,7 +190,7 @@ def test_count_in_protocols_on_sm90(state_ty, protocol):
 def test_dep_count_target_follows_the_warp_size():
     """One counting lane per warp: 4 per program on wave32 and on wave64 alike (CDNA), so every
     warp that reads the flag orders its own reads before a count."""
-    from r9k.bench.fused_variants import kernel_config
+    from lab.fused_variants import kernel_config
 
     for warp in (32, 64):
         c, _ = kernel_config(H=8, HV=16, K=128, V=128, S=4, state_page_stride=16 * 128 * 128,
@@ -205,7 +205,7 @@ def test_flag_pairs_cover_the_kernel_grid(V, HV):
     value blocks): the layout check accepts exactly that width and names it when it is wrong."""
     import torch
 
-    from r9k.page_layout import FLAG_WORDS, flag_words, kernel_programs_per_page
+    from r9k.core.page_layout import FLAG_WORDS, flag_words, kernel_programs_per_page
     from r9k.kernels.triton_fused import _check_layout, kernel_config
 
     c, _ = kernel_config(H=1, HV=HV, K=32, V=V, S=4, state_page_stride=HV * V * 32,

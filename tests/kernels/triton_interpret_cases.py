@@ -12,9 +12,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step  # noqa: E402
 from r9k.kernels.onepage import GdnHeads  # noqa: E402
-from r9k.devtools.simulate import SimConfig, run_simulation  # noqa: E402
-from r9k.bench.fused_variants import DEP_ORDERED, checked, measured  # noqa: E402
-from r9k.devtools.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
+from lab.simulate import SimConfig, run_simulation  # noqa: E402
+from lab.fused_variants import DEP_ORDERED, checked, measured  # noqa: E402
+from lab.triton_sim import FusedStepChecked, composed_backend  # noqa: E402
 
 # 1 key head, 2 value heads (GQA 2), K = V = 64: two V blocks per head, so several programs of
 # one page count in (the interpreter runs them one after another: this checks the counting,
@@ -174,10 +174,10 @@ def skew_case() -> int:
 
 
 def bench_case() -> int:
-    """r9k.bench.gdn_kernel's configuration runner (it needs a GPU to time): its variants
+    """lab.gdn_kernel's configuration runner (it needs a GPU to time): its variants
     reach the kernel and each recording variant is checked against the shipped kernel's bits,
     so a device run is not spent finding a broken benchmark. Timers stubbed: nothing is timed."""
-    from r9k.bench import gdn_kernel
+    from lab import gdn_kernel
 
     gdn_kernel.time_graph_us = lambda fn, **kw: (fn(), 1.0)[1]
     gdn_kernel.time_host_us = lambda fn, **kw: (fn(), 1.0)[1]

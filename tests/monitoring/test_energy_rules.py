@@ -11,7 +11,7 @@ import yaml
 
 from doubles.prometheus_server import prometheus_tool
 
-RULES_DIR = Path(__file__).resolve().parents[2] / "monitoring" / "rules"
+RULES_DIR = Path(__file__).resolve().parents[2] / "src" / "r9k" / "monitoring" / "rules"
 RULES = RULES_DIR / "r9k.energy.rules.yml"
 
 
@@ -43,4 +43,4 @@ def test_the_rules_read_only_metrics_the_stack_exports():
     sources += (RULES_DIR.parents[1] / "ops" / "energy.py").read_text()
     for name in read:
         base = name.removesuffix("_total")
-        assert f'"{base}"' in sources, f"{name} is not exported by monitoring/"
+        assert f'"{base}"' in sources, f"{name} is not exported by src/r9k/monitoring/"

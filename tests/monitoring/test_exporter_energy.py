@@ -9,7 +9,7 @@ import sys
 import time
 
 from doubles.ops_host import CardSpec, build_host_tree
-from r9k.http_client import http_get
+from r9k.core.http_client import http_get
 
 A, B = "0000:03:00.0", "0000:04:00.0"
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.cli import main
 from r9k.monitoring.exporter import build_collector, build_registry, render, serve
 from doubles.monitored_host import (CARD_A, CARD_B, FakeFleet, FakeReplica, HungReplicas,
@@ -544,7 +544,7 @@ def test_readme_commands_parse_and_name_the_real_fleet_status_path():
     from r9k.deploy.entry import EntryPoint
     from r9k.monitoring.cli import exporter
 
-    readme = (Path(__file__).resolve().parents[2] / "monitoring/README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "src/r9k/monitoring/README.md").read_text()
     served = {r.resource.canonical for r in EntryPoint(backend=None).app.router.routes() if r.method == "GET"}
     checked = 0
     for text in re.findall(r"r9k exporter[^`\n#]*", readme):
@@ -574,7 +574,7 @@ def test_web_config_with_a_user_given_twice_is_refused(tls_files):
 def test_replica_planner_series_follows_its_plugin():
     """A replica's capacity figures are planned for the vLLM its plugin reports (0.34's
     64-token default block); an absent or unknown release falls back to the planner's 0.32."""
-    from r9k import capacity
+    from r9k.core import capacity
     from r9k.monitoring.replicas import _series
 
     assert _series({"vllm_version": "0.34.0"}) == "0.34"

@@ -30,7 +30,7 @@ from r9k.monitoring.scrape_errors import ScrapeErrors
 
 CARD_A, CARD_B = "0000:03:00.0", "0000:04:00.0"
 DEBUGFS = "/sys/kernel/debug"
-ALERTS = Path(__file__).resolve().parents[2] / "monitoring/alerts"
+ALERTS = Path(__file__).resolve().parents[2] / "src/r9k/monitoring/alerts"
 
 
 class FakeClock:

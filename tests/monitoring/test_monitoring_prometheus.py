@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from r9k import capacity
+from r9k.core import capacity
 from r9k.monitoring.exporter import build_collector, build_registry, serve
 from doubles.monitored_host import (CARD_A, CARD_B, OPS_CONFIG, FakeFleet, TokenCountingReplica,
                                      build_monitored_host, record_kernel_log)
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import free_port, running_prometheus
 
-MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "src" / "r9k" / "monitoring"
 # Grafana's variables and interval macros, as a person viewing "All" over the last hour sees them.
 DASHBOARD_SUBSTITUTIONS = {"$__rate_interval": "5s", "$__range": "1h", "$instance": ".*", "$bdf": ".*",
                            "$replica": ".*", "$host": ".*"}

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from r9k import capacity
-from r9k.devtools.engine_runs import KV_LINE
+from r9k.core import capacity
+from lab.engine_runs import KV_LINE
 from r9k.devtools.local_server import LocalServer
 from r9k.monitoring.exporter import build_collector, build_registry, serve
 from doubles.monitored_host import build_monitored_host

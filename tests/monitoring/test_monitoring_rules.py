@@ -17,7 +17,7 @@ from doubles.monitored_host import OPS_CONFIG, FakeFleet, TokenCountingReplica, 
 from r9k.devtools.tiny_model import build_config
 from doubles.prometheus_server import prometheus_tool
 
-MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "src" / "r9k" / "monitoring"
 ALERTS = MONITORING / "alerts"
 RULES = ALERTS / "r9k.rules.yml"
 RULE_TESTS = ALERTS / "r9k.rules.test.yml"
@@ -175,7 +175,7 @@ def test_dashboards_are_generated_by_grafanas_builders_and_pass_its_schema():
     generator = load_generator()
     for name, text in generator.render_all().items():
         assert (MONITORING / "grafana" / name).read_text() == text, \
-            f"{name} differs from monitoring/grafana/dashboards.py: run python monitoring/grafana/dashboards.py"
+            f"{name} differs from src/r9k/monitoring/grafana/dashboards.py: run python src/r9k/monitoring/grafana/dashboards.py"
         dash = json.loads(text)
         assert generator.through_schema(dash) == dash, name
         typo = json.loads(text)

@@ -1,0 +1,1 @@
+"""Measurement and staging programs: `python -m lab.scripts.NAME --help`."""
