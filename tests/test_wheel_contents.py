@@ -39,6 +39,8 @@ def test_the_wheel_carries_the_r9k_package_and_no_lab(wheel):
     # every package of src/r9k, as the folders lay it out
     packages = {str(p.parent.relative_to(ROOT / "src")) for p in (ROOT / "src" / "r9k").rglob("__init__.py")}
     assert {str(Path(n).parent) for n in names if n.endswith("/__init__.py")} == packages
+    # and Python only in those packages: a data folder's script (the dashboards' generator) stays out
+    assert {str(Path(n).parent) for n in names if n.endswith(".py")} == packages
 
 
 def test_the_wheel_carries_the_data_files_and_entry_points(wheel):
