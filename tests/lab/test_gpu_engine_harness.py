@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import struct
 import sys
@@ -21,13 +20,11 @@ from r9k.devtools.tiny_model import make_tiny, parse_overrides
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    return importlib.import_module(f"lab.scripts.{name}")
-
-
 @pytest.fixture(scope="module")
 def ge():
-    return _load("gpu_engine")
+    from lab.scripts import gpu_engine
+
+    return gpu_engine
 
 
 def test_matrix_covers_runners_graphs_prefix_caching_k_dtypes_models(ge):
@@ -162,7 +159,8 @@ def _fake_so(images):
 
 
 def test_fatbin_trim_keeps_one_architecture():
-    ft = _load("fatbin_trim")
+    from lab.scripts import fatbin_trim as ft
+
     so = _fake_so([(2, 80, b"A" * 100), (2, 90, b"B" * 50), (1, 90, b"C" * 30)])
     kept, zeroed = ft.trim(so, 90)
     assert (kept, zeroed) == (50, 130)

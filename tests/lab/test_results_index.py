@@ -1,10 +1,10 @@
 """lab/results/README.md lists every result file, and only those
 (`lab/scripts/index_results.py` writes it)."""
-from doubles.scripts import load_script
+from lab.scripts import index_results
 
 
 def _index_module():
-    return load_script("index_results")
+    return index_results
 
 
 def test_the_index_lists_every_result_file():

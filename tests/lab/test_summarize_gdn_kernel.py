@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 import json
 
-from doubles.scripts import ROOT, load_script
+from pathlib import Path
 
-RESULT = ROOT / "lab" / "results" / "gdn_kernel_h200_flashnext_tp2_tp4_k3.json"
+from lab.scripts import summarize_gdn_kernel
+
+RESULT = Path(__file__).resolve().parents[2] / "lab" / "results" / "gdn_kernel_h200_flashnext_tp2_tp4_k3.json"
 
 
 def _tool():
-    return load_script("summarize_gdn_kernel")
+    return summarize_gdn_kernel
 
 
 def test_verdict_on_the_committed_h200_run():
