@@ -32,7 +32,8 @@ from r9k.kernels.onepage import GdnHeads, set_live
 from r9k.kernels.triton_composed import StockTritonComposed, index_rows
 from lab import fused_variants
 from lab.fused_variants import DEP_ORDERED, OWN_PAIRS, measured
-from r9k.kernels.triton_fused import _configs, onepage_fused_step
+from r9k.kernels.launch_cache import CACHES
+from r9k.kernels.triton_fused import onepage_fused_step
 
 
 def _fused_step(variant: dict | None = None, **kw):
@@ -310,7 +311,7 @@ def bench_config(heads: GdnHeads, n: int, state_dtype: torch.dtype, num_spec: in
     t["stock_eager_host"] = time_host_us(run_stock)
     t["fused_eager_host"] = time_host_us(run_fused)
     # without the memoized config: the layout checks and kernel config recomputed on every call
-    t["fused_eager_host_unmemoized"] = time_host_us(lambda: (_configs.clear(), run_fused()))
+    t["fused_eager_host_unmemoized"] = time_host_us(lambda: (CACHES.configs.clear(), run_fused()))
     res["time_us"] = {k_: round(v_, 2) for k_, v_ in t.items()}
     res["ratio_to_stock"] = {k_: round(v_ / t["stock"], 3) for k_, v_ in t.items()}
 

@@ -115,11 +115,13 @@ def test_the_pure_rule():
 @pytest.mark.parametrize("value", ["yes", "2", ""])
 def test_a_bad_setting_stops_registration(monkeypatch, value):
     import r9k.plugin.entry as plugin
+    from r9k.plugin import runtime
 
     monkeypatch.setenv(policy.DRAFT_GRAPHS_ENV, value)
     with pytest.raises(ValueError, match=r"R9K_DRAFT_GRAPHS=.*expected 1 \(default\) or 0"):
         policy.draft_graphs()
-    monkeypatch.setattr(plugin, "_registered", True)  # checked on every call, as the mode is
+    # as if registered already: the setting is checked on every call, as the mode is
+    monkeypatch.setattr(runtime.current(), "registered", {"plugin"})
     with pytest.raises(ValueError, match="R9K_DRAFT_GRAPHS"):
         plugin.register()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from r9k.plugin import onepage_align as oa
+from r9k.plugin import runtime
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import GdnHeads
 from r9k.core.page_layout import FLAG_DTYPE, PAGE_CONV, PAGE_FLAG, PAGE_RECORD, PAGE_SSM, RECORD_SLOTS
@@ -58,20 +59,21 @@ def _metadata(world) -> dict[str, torch.Tensor]:
             for name, col, dt in zip(cpu_align.STATE_META, zip(*rows), dtypes)}
 
 
-def _tracked(align, world):
-    """The layers and groups registered as the one-page metadata builders register them."""
+def _tracked(rt: runtime.Runtime, world):
+    """The layers and groups registered as the one-page layers and metadata builders register
+    them."""
     for layers in world:
         for layer in layers:
-            align.track_layer(layer)
-        align.track_group([layer.prefix for layer in layers])
+            rt.track_layer(layer)
+        rt.track_group([layer.prefix for layer in layers])
     return world
 
 
 @pytest.fixture
 def align():
-    oa.reset()
-    yield oa
-    oa.reset()
+    """The process's runtime, fresh (the launch path's caches read it)."""
+    yield runtime.reset()
+    runtime.reset()
 
 
 @pytest.mark.parametrize("groups, positions, heads, num_spec", [
@@ -86,20 +88,20 @@ def test_the_replay_gets_each_one_page_ssm_state_and_the_stock_copy_the_rest(
     meta = _metadata(world)
     addrs = meta["state_base_addrs_ptr"].tolist()
 
-    onepage = align._onepage_states(meta["state_base_addrs_ptr"], meta["state_group_indices_ptr"])
+    onepage = oa.onepage_states(align.align, meta["state_base_addrs_ptr"], meta["state_group_indices_ptr"])
     # every second state (conv, SSM per layer) is an SSM state, named with its layer and group
     assert sorted(onepage) == list(range(1, 2 * groups * positions, 2))
     for i, (layer, g) in onepage.items():
         assert addrs[i] == layer.kv_cache[PAGE_SSM].data_ptr() and g == i // (2 * positions)
 
-    stock = align._stock_state_meta(meta, onepage)  # the stock copy: the conv windows only
+    stock = oa._stock_state_meta(meta, onepage)  # the stock copy: the conv windows only
     assert set(stock) == set(cpu_align.STATE_META)
     assert stock["state_base_addrs_ptr"].tolist() == [
         layer.kv_cache[PAGE_CONV].data_ptr() for layers in world for layer in layers]
     for name in cpu_align.STATE_META:
         assert stock[name].tolist() == meta[name].tolist()[0::2]
 
-    plan = align._replay_plan(meta, onepage)  # the replay: the SSM states, record and flag
+    plan = oa._replay_plan(meta, onepage)  # the replay: the SSM states, record and flag
     assert [(r.ssm_state.data_ptr(), r.group) for r in plan.layers] == \
         [(addrs[i], g) for i, (_, g) in onepage.items()]
     for r, (layer, _) in zip(plan.layers, onepage.values()):
@@ -118,6 +120,19 @@ def test_a_metadata_order_the_plugin_does_not_know_is_refused(align):
     swapped = meta["state_base_addrs_ptr"].clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # a layer's SSM state listed before its conv window
     with pytest.raises(RuntimeError, match="vLLM's state order changed"):
-        align._onepage_states(swapped, meta["state_group_indices_ptr"])
+        oa.onepage_states(align.align, swapped, meta["state_group_indices_ptr"])
     with pytest.raises(RuntimeError, match="mamba layers other than one-page GDN layers"):
-        align._onepage_states(meta["state_base_addrs_ptr"][:-1], meta["state_group_indices_ptr"][:-1])
+        oa.onepage_states(align.align, meta["state_base_addrs_ptr"][:-1], meta["state_group_indices_ptr"][:-1])
+
+
+def test_a_runtime_sees_only_its_own_layers():
+    """The check reads the runtime it is given: layers another runtime tracks (another engine
+    in a test process) are not one-page states of this one."""
+    heads = GdnHeads(2, 4, 64, 64)
+    mine, other = runtime.Runtime(), runtime.Runtime()
+    world = _tracked(other, _world(1, 2, heads, 3))  # kept: the runtime holds layers weakly
+    meta = _metadata(world)
+    assert oa.onepage_states(mine.align, meta["state_base_addrs_ptr"],
+                             meta["state_group_indices_ptr"]) == {}
+    assert sorted(oa.onepage_states(other.align, meta["state_base_addrs_ptr"],
+                                    meta["state_group_indices_ptr"])) == [1, 3]

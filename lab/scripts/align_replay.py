@@ -35,7 +35,8 @@ from lab.gdn_kernel import time_host_us
 from r9k.kernels.onepage import GdnHeads
 from lab.simulate import recycled_flags
 from r9k.kernels.triton_align import ReplayLayer, ReplayPlan
-from r9k.kernels.triton_fused import _configs, onepage_fused_step
+from r9k.kernels.launch_cache import CACHES
+from r9k.kernels.triton_fused import onepage_fused_step
 from r9k.core.page_layout import RECORD_SLOTS
 
 HEADS = GdnHeads(num_k_heads=8, num_v_heads=24, head_k_dim=128, head_v_dim=128)  # 27B TP2
@@ -71,7 +72,7 @@ def before_replay_into(layer: ReplayLayer, src_pages, dst_pages, num_rows) -> No
     HV, V, K = layer.ssm_state.shape[1:]
     dev, dt = layer.ssm_state.device, layer.record.dtype
     none = torch.empty((0, layer.num_k_heads, K), dtype=dt, device=dev)
-    _configs.clear()  # the per-layer path checks the layout and builds the config on every call
+    CACHES.configs.clear()  # the per-layer path checks the layout and builds the config on every call
     onepage_fused_step(
         q=none, k=none, v=torch.empty((0, HV, V), dtype=dt, device=dev),
         a=torch.empty((0, HV), dtype=dt, device=dev), b=torch.empty((0, HV), dtype=dt, device=dev),

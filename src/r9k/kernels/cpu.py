@@ -22,34 +22,31 @@ from __future__ import annotations
 import torch
 
 from r9k.core.page_layout import FLAG_COUNT, FLAG_SLOT
+from r9k.kernels.launch_cache import CACHES
 from r9k.kernels.onepage import NULL_PAGE, GdnInputs, set_live, unpack_record_rows, write_record
-
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-_INDEX_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_ROW_POSITIONS: dict[tuple, torch.Tensor] = {}
 
 
 def _scratch_states(state_pool: torch.Tensor, n: int) -> torch.Tensor:
     """A persistent [n, HV, K, V] buffer for verify (grown, never shrunk; shared by the layers
     of one shape: they run one after another)."""
     key = (tuple(state_pool.shape[1:]), state_pool.dtype, state_pool.device)
-    buf = _SCRATCH.get(key)
+    buf = CACHES.scratch.get(key)
     if buf is None or buf.shape[0] < n:
         buf = torch.empty((-(-n // 8) * 8, *state_pool.shape[1:]), dtype=state_pool.dtype,
                           device=state_pool.device)
-        _SCRATCH[key] = buf
+        CACHES.scratch[key] = buf
     return buf[:n]
 
 
 def _scratch_index_rows(n: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Index rows [n, width] with row i = [i] * width, and ones [n] (resume from column 0)."""
     key = (width, device)
-    cached = _INDEX_ROWS.get(key)
+    cached = CACHES.index_rows.get(key)
     if cached is None or cached[0].shape[0] < n:
         size = max(n, 64, 2 * (0 if cached is None else cached[0].shape[0]))
         rows = torch.arange(size, dtype=torch.int32, device=device)[:, None].repeat(1, width)
         cached = (rows, torch.ones(size, dtype=torch.int32, device=device))
-        _INDEX_ROWS[key] = cached
+        CACHES.index_rows[key] = cached
     return cached[0][:n], cached[1][:n]
 
 
@@ -64,9 +61,9 @@ def _spec_op():
 
 def _row_positions(num_rows: int, device) -> torch.Tensor:
     """arange(S), kept."""
-    pos = _ROW_POSITIONS.get((num_rows, device))
+    pos = CACHES.row_positions.get((num_rows, device))
     if pos is None:
-        pos = _ROW_POSITIONS[(num_rows, device)] = torch.arange(num_rows, device=device)
+        pos = CACHES.row_positions[(num_rows, device)] = torch.arange(num_rows, device=device)
     return pos
 
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from r9k.kernels.launch_cache import CACHES
 from r9k.kernels.triton_fused import onepage_fused_step
 
 _COPY_BLOCK = 1024
@@ -181,9 +182,6 @@ def onepage_replay_into(*, A_log, dt_bias, ssm_state, record, flag, src_pages, d
         src, dst, num_rows.to(torch.int32).contiguous(), use_qk_l2norm_in_kernel)
 
 
-_single_plans: dict[tuple, ReplayPlan] = {}
-
-
 def _single_plan(layer: ReplayLayer) -> ReplayPlan:
     """One layer's plan, kept by its tensors: a plan builds device tables (a host-to-device
     copy), which a CUDA graph capture must not do, so a call captured after an eager one
@@ -191,11 +189,12 @@ def _single_plan(layer: ReplayLayer) -> ReplayPlan:
     key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
                 for t in (layer.A_log, layer.dt_bias, layer.ssm_state, layer.record, layer.flag))
     key += (layer.num_k_heads,)
-    if key not in _single_plans:
-        if len(_single_plans) >= 64:
-            _single_plans.clear()
-        _single_plans[key] = ReplayPlan([layer])
-    return _single_plans[key]
+    plans = CACHES.single_plans
+    if key not in plans:
+        if len(plans) >= 64:
+            plans.clear()
+        plans[key] = ReplayPlan([layer])
+    return plans[key]
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

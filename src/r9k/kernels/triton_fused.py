@@ -38,6 +38,7 @@ import triton.language as tl
 from r9k.core.page_layout import (
     FLAG_COUNT, FLAG_DTYPE, FLAG_PAIR_WORDS, FLAG_SLOT, FLAG_WORDS, KERNEL_V_BLOCK_MAX,
     RECORD_SLOTS, flag_words, head_dims_reason, kernel_programs_per_page, record_row_elements)
+from r9k.kernels.launch_cache import CACHES
 
 # the stock launcher's tiling and launch parameters; changing any of them changes the last bits
 STOCK_BV_MAX = KERNEL_V_BLOCK_MAX  # the capacity module sizes the flag pairs from it
@@ -364,9 +365,6 @@ def kernel_config(*, H, HV, K, V, S, state_page_stride, state_dtype,
     return constexprs, dict(num_warps=STOCK_NUM_WARPS, num_stages=STOCK_NUM_STAGES)
 
 
-_configs: dict[tuple, tuple[int, dict, dict]] = {}
-
-
 def _launch_config(H, HV, K, V, ssm_state, record, flag, use_qk_l2norm_in_kernel,
                    has_row_map) -> tuple[int, dict, dict]:
     """(S, constexprs, options) of a launch, checked and computed once per layout: the checks
@@ -375,14 +373,14 @@ def _launch_config(H, HV, K, V, ssm_state, record, flag, use_qk_l2norm_in_kernel
     key = (H, HV, K, V, tuple(ssm_state.shape[1:]), ssm_state.stride(), ssm_state.dtype,
            tuple(record.shape[1:]), record.stride(), tuple(flag.shape[1:]), flag.stride(),
            flag.dtype, ssm_state.device, bool(use_qk_l2norm_in_kernel), has_row_map)
-    hit = _configs.get(key)
+    hit = CACHES.configs.get(key)
     if hit is None:
         S = _check_layout(ssm_state, record, flag, H, HV, K, V)
         constexprs, options = kernel_config(
             H=H, HV=HV, K=K, V=V, S=S, state_page_stride=ssm_state.stride(0),
             state_dtype=str(ssm_state.dtype).removeprefix("torch."),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, has_row_map=has_row_map)
-        hit = _configs[key] = (S, constexprs, options)
+        hit = CACHES.configs[key] = (S, constexprs, options)
     return hit
 
 

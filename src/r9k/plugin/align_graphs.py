@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from r9k.plugin import runtime
+
 logger = logging.getLogger("vllm.r9k")
 
 ALIGN_GRAPHS_ENV = "R9K_ALIGN_GRAPHS"
@@ -30,33 +32,28 @@ MAX_GRAPHS = 1024  # two kernels x batch sizes up to vLLM's max_num_seqs; beyond
 MAX_PENDING = 4096  # keys seen once, waiting for a second sighting
 STATIC_ARGS = ("idx_mapping_ptr",)  # arguments whose values are copied into a kept buffer
 
-_graphs: dict[tuple, "torch.cuda.CUDAGraph"] = {}
-_pending: set[tuple] = set()
-_static: dict[tuple, torch.Tensor] = {}
-_state = {"disabled": None, "captures": 0, "replays": 0, "eager": 0}
-_pool = {}
-_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def enabled() -> bool:
-    if _state["disabled"] is None:
+    g = runtime.current().graphs
+    if g.disabled is None:
         raw = os.environ.get(ALIGN_GRAPHS_ENV, "1").strip().lower()
         if raw not in ("0", "1", "off", "on", "false", "true"):
             raise ValueError(f"{ALIGN_GRAPHS_ENV}={raw!r}: expected 1 (default) or 0")
-        _state["disabled"] = raw in ("0", "off", "false")
-    return not _state["disabled"]
+        g.disabled = raw in ("0", "off", "false")
+    return not g.disabled
 
 
 def stats() -> dict[str, int]:
     """Captures, replays and eager runs so far (the harness and tests read them)."""
-    return {"graphs": len(_graphs), "captures": _state["captures"],
-            "replays": _state["replays"], "eager": _state["eager"]}
+    g = runtime.current().graphs
+    return {"graphs": len(g.graphs), "captures": g.captures, "replays": g.replays,
+            "eager": g.eager}
 
 
 def reset() -> None:
     """Forget every graph and buffer (tests; a process's buffers never change)."""
-    _graphs.clear(), _pending.clear(), _static.clear(), _pool.clear()
-    _state.update(disabled=None, captures=0, replays=0, eager=0)
+    runtime.current().graphs = runtime.GraphState()
 
 
 def _describe(value) -> tuple | object:
@@ -66,17 +63,17 @@ def _describe(value) -> tuple | object:
     return value
 
 
-def _with_static(args: dict) -> tuple[dict, tuple]:
-    """args with the per-step tensors swapped for kept buffers holding their values, and the
-    key of the launch."""
+def _with_static(args: dict, static: dict) -> tuple[dict, tuple]:
+    """args with the per-step tensors swapped for kept buffers (in `static`) holding their
+    values, and the key of the launch."""
     args = dict(args)
     for name in STATIC_ARGS:
         t = args.get(name)
         if isinstance(t, torch.Tensor):
             skey = (name, tuple(t.shape), t.dtype, t.device)
-            buf = _static.get(skey)
+            buf = static.get(skey)
             if buf is None:
-                buf = _static[skey] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                buf = static[skey] = torch.empty_like(t, memory_format=torch.contiguous_format)
             buf.copy_(t)
             args[name] = buf
     key = tuple((name, _describe(value)) for name, value in sorted(args.items()))
@@ -85,59 +82,60 @@ def _with_static(args: dict) -> tuple[dict, tuple]:
 
 def run(launches, launch_key: tuple, args: dict, onepage) -> None:
     """`launches(args, onepage)`, as a CUDA graph where the launch repeats."""
+    g = runtime.current().graphs
     if not enabled() or torch.cuda.is_current_stream_capturing():
-        _state["eager"] += 1
+        g.eager += 1
         launches(args, onepage)  # inside vLLM's own capture: its graph holds these launches
         return
-    args, key = _with_static(args)
+    args, key = _with_static(args, g.static)
     key = (launch_key, key)
-    graph = _graphs.get(key)
+    graph = g.graphs.get(key)
     if graph is not None:
-        _state["replays"] += 1
+        g.replays += 1
         graph.replay()
         return
-    if key not in _pending or len(_graphs) >= MAX_GRAPHS:
-        if len(_pending) >= MAX_PENDING:
-            _pending.clear()
-        _pending.add(key)
-        _state["eager"] += 1
+    if key not in g.pending or len(g.graphs) >= MAX_GRAPHS:
+        if len(g.pending) >= MAX_PENDING:
+            g.pending.clear()
+        g.pending.add(key)
+        g.eager += 1
         launches(args, onepage)
         return
-    _pending.discard(key)
+    g.pending.discard(key)
     try:
-        graph = _capture(lambda: launches(args, onepage), args)
+        graph = _capture(g, lambda: launches(args, onepage), args)
     except Exception as exc:  # noqa: BLE001 (any capture failure: eager from now on)
-        _state["disabled"] = True
+        g.disabled = True
         logger.warning("r9k one-page align copies: CUDA graph capture failed (%s: %s); the "
                        "copies run eagerly from now on (%s=0 does so from the start)",
                        type(exc).__name__, exc, ALIGN_GRAPHS_ENV)
-        _state["eager"] += 1
+        g.eager += 1
         launches(args, onepage)
         return
-    _graphs[key] = graph
-    _state["captures"] += 1
-    if _state["captures"] == 1:
+    g.graphs[key] = graph
+    g.captures += 1
+    if g.captures == 1:
         logger.info("r9k one-page align copies: repeated launches replay as CUDA graphs "
                     "(%s=0 turns this off)", ALIGN_GRAPHS_ENV)
     graph.replay()
 
 
-def _capture(body, args: dict) -> "torch.cuda.CUDAGraph":
+def _capture(g: runtime.GraphState, body, args: dict) -> "torch.cuda.CUDAGraph":
     """Capture `body` on a side stream (ordered after the current one), without running it.
 
     Thread-local capture mode: vLLM's other threads keep working. Temporaries come from one
     memory pool shared by these graphs, which replay one at a time on one stream."""
     dev = next(v.device for v in args.values() if isinstance(v, torch.Tensor))
-    if dev not in _pool:
-        _pool[dev] = torch.cuda.graph_pool_handle()
-    stream = _streams.get(dev)
+    if dev not in g.pools:
+        g.pools[dev] = torch.cuda.graph_pool_handle()
+    stream = g.streams.get(dev)
     if stream is None:
-        stream = _streams[dev] = torch.cuda.Stream(device=dev)
+        stream = g.streams[dev] = torch.cuda.Stream(device=dev)
     current = torch.cuda.current_stream(dev)
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=_pool[dev], capture_error_mode="thread_local")
+        graph.capture_begin(pool=g.pools[dev], capture_error_mode="thread_local")
         try:
             body()
         finally:

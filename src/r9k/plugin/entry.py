@@ -8,18 +8,18 @@ from r9k.plugin.policy import (GDN_STATE_ENV, draft_graphs, gdn_state_mode, unpr
 
 logger = logging.getLogger("vllm.r9k")
 
-_registered = False
-
 
 def register() -> None:
     """Called by vLLM in every engine and worker process (entry point vllm.general_plugins)."""
-    global _registered
     mode = gdn_state_mode()  # a bad value raises here, which stops the engine at start
     unproven_allowed()  # likewise
     draft_graphs()  # likewise
-    if _registered:
+    from r9k.plugin import runtime
+
+    done = runtime.current().registered
+    if "plugin" in done:
         return
-    _registered = True
+    done.add("plugin")
     reason = vllm_version_reason()
     if reason:
         logger.warning("r9k plugin loaded: stock GDN state pages: %s", reason)

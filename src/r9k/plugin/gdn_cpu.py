@@ -20,16 +20,15 @@ from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
 
-_OP_REGISTERED = False
-
-
 def register_op() -> None:
-    global _OP_REGISTERED
-    if _OP_REGISTERED:
+    from r9k.plugin import runtime
+
+    done = runtime.current().registered
+    if "cpu-op" in done:  # torch refuses a second registration of the op's name
         return
     direct_register_custom_op(op_name="r9k_onepage_cpu_gdn_core", op_func=onepage_cpu_gdn_core,
                               mutates_args=["core_attn_out"])
-    _OP_REGISTERED = True
+    done.add("cpu-op")
 
 
 def onepage_forward_cpu(layer, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,10 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from r9k.core.page_layout import PAGE_FLAG, PAGE_RECORD
 from r9k.kernels.onepage import GdnHeads
 from r9k.plugin.models.sizing import record_dtypes, record_shapes
+from r9k.plugin import runtime
 from r9k.plugin.policy import onepage_enabled
 
 logger = logging.getLogger("vllm.r9k")
-_shared_logged: list[bool] = []  # the sharing is logged once per process
 
 
 class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -58,13 +58,10 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             self.supports_update_block_table = True
             if not hasattr(self, "mamba_aligned_state_indices"):
                 self.mamba_aligned_state_indices = None  # opts into V2's aligned-index precompute
-            if not _shared_logged:
-                _shared_logged.append(True)
+            if runtime.current().once("metadata-shared"):
                 logger.info("r9k one-page GDN metadata: built once per step and shared by the "
                             "one-page groups (update_block_table)")
-        from r9k.plugin import onepage_align
-
-        onepage_align.track_group(layer_names)  # prefix caching's copies find layers by group
+        runtime.current().track_group(layer_names)  # prefix caching's copies find layers by group
 
 
 class OnePageGDNAttentionBackend(GDNAttentionBackend):
@@ -105,9 +102,7 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         self.gdn_decode_kernel = "r9k-onepage"  # no vLLM path keyed on "cuda" is taken
         self.enable_fused_gdn_spec_decode = False
         self.enable_packed_recurrent_decode = False
-        from r9k.plugin import onepage_align
-
-        onepage_align.track_layer(self)  # prefix caching's copies replay its record
+        runtime.current().track_layer(self)  # prefix caching's copies replay its record
         if current_platform.is_cpu():
             from r9k.plugin import gdn_cpu
 
@@ -186,12 +181,9 @@ def page_state_views(pages: torch.Tensor, shapes, dtypes) -> tuple[torch.Tensor,
     return tuple(views)
 
 
-_layer_registered = False
-
-
 def register_layer() -> None:
-    global _layer_registered
-    if _layer_registered:
+    done = runtime.current().registered
+    if "layer" in done:
         return
     from vllm.model_executor.custom_op import op_registry_oot
 
@@ -201,4 +193,4 @@ def register_layer() -> None:
                        op_registry_oot[name].__qualname__)
         return
     QwenGatedDeltaNetAttention.register_oot(OnePageGatedDeltaNetAttention)
-    _layer_registered = True
+    done.add("layer")

@@ -27,44 +27,34 @@ are the stock kernels.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
+from r9k.core.page_layout import PAGE_SSM
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import replay_into
-from r9k.core.page_layout import PAGE_SSM
-
-_layers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
-_groups: list[tuple[str, ...]] = []  # one-page GDN kv-cache groups' layer names, in group order
-_resolved: dict[tuple, dict[int, tuple[object, int]]] = {}
+from r9k.plugin import runtime
+from r9k.plugin.runtime import AlignState
 
 
 def reset() -> None:
-    """Forget every layer, group and cached launch (tests: one engine per process otherwise)."""
-    from r9k.plugin import align_graphs
-
-    _layers.clear(), _groups.clear(), _resolved.clear(), _stock_meta.clear(), _plans.clear()
-    align_graphs.reset()
+    """Forget every layer, group, cached launch and graph (tests: one engine per process
+    otherwise)."""
+    runtime.reset()
 
 
 def track_layer(layer) -> None:
-    """A one-page GDN layer: its SSM state replays in the align copies."""
-    _layers[layer.prefix] = layer
+    runtime.current().track_layer(layer)
 
 
 def track_group(layer_names) -> None:
-    """A one-page GDN metadata builder's layers. vLLM builds the builders group by group in
-    kv-cache-group order, the order the copy kernels list states in."""
-    names = tuple(layer_names)
-    if names not in _groups:
-        _groups.append(names)
+    runtime.current().track_group(layer_names)
 
 
-def _onepage_states(state_base_addrs: torch.Tensor,
-                    state_group_indices: torch.Tensor) -> dict[int, tuple[object, int]]:
+def onepage_states(state: AlignState, state_base_addrs: torch.Tensor,
+                   state_group_indices: torch.Tensor) -> dict[int, tuple[object, int]]:
     """{state index: (one-page layer, group)} for the states that are a one-page layer's SSM
-    state.
+    state, from the layers and groups `state` tracks.
 
     Layers at the same position of different groups share one tensor (the same address), so a
     state is named by its group and position, as vLLM lists them (`_populate_metadata`: groups,
@@ -72,29 +62,29 @@ def _onepage_states(state_base_addrs: torch.Tensor,
     On a GPU the metadata is read once (a host sync) and remembered by the metadata tensor:
     vLLM fills it once per worker and never changes it.
     """
-    if not _groups:
+    if not state.groups:
         return {}
     if state_base_addrs.is_cpu:
         key = (tuple(state_base_addrs.tolist()), tuple(state_group_indices.tolist()))
     else:
         key = _device_key(state_base_addrs)
-    if key in _resolved:
-        return _resolved[key]
+    if key in state.resolved:
+        return state.resolved[key]
     addrs = [a & ((1 << 64) - 1) for a in state_base_addrs.tolist()]
     groups = state_group_indices.tolist()
     num_groups = len(set(groups))
-    num_layers = sum(len(names) for names in _groups)
-    if num_groups != len(_groups) or len(addrs) % num_layers:
+    num_layers = sum(len(names) for names in state.groups)
+    if num_groups != len(state.groups) or len(addrs) % num_layers:
         raise RuntimeError(
             f"r9k one-page align copies: the copy kernel lists {len(addrs)} states in "
-            f"{num_groups} mamba groups, the one-page GDN builders {len(_groups)} groups of "
+            f"{num_groups} mamba groups, the one-page GDN builders {len(state.groups)} groups of "
             f"{num_layers} layers; mamba layers other than one-page GDN layers are not "
             "supported with prefix caching")
     per_layer = len(addrs) // num_layers
     out, i = {}, 0
-    for g, names in enumerate(_groups):
+    for g, names in enumerate(state.groups):
         for name in names:
-            layer = _layers[name]
+            layer = state.layers[name]
             for t in range(per_layer):
                 if groups[i] != g or addrs[i] != layer.kv_cache[t].data_ptr():
                     raise RuntimeError(
@@ -103,8 +93,12 @@ def _onepage_states(state_base_addrs: torch.Tensor,
                 if t == PAGE_SSM:  # conv (PAGE_CONV) copies as stock does
                     out[i] = (layer, g)
                 i += 1
-    _resolved[key] = out
+    state.resolved[key] = out
     return out
+
+
+def _onepage_states(state_base_addrs, state_group_indices) -> dict[int, tuple[object, int]]:
+    return onepage_states(runtime.current().align, state_base_addrs, state_group_indices)
 
 
 def _device_key(t: torch.Tensor) -> tuple:
@@ -180,24 +174,19 @@ VLLM_KERNEL_NAMES = kernel_ports()  # vLLM 0.32's signatures
 
 
 # --- GPUs ----------------------------------------------------------------------------------------
-_stock_meta: dict[tuple, dict[str, torch.Tensor]] = {}
-
-
 def _stock_state_meta(args: dict, onepage: dict) -> dict[str, torch.Tensor]:
     """The metadata arrays without the one-page SSM states (device copies, made once)."""
     addrs = args["state_base_addrs_ptr"]
     key = _device_key(addrs)
-    if key not in _stock_meta:
+    cache = runtime.current().align.stock_meta
+    if key not in cache:
         keep = [i for i in range(addrs.numel()) if i not in onepage]
         if not keep:
             raise RuntimeError("r9k one-page align copies: no stock-copied state left (a GDN "
                                "layer always has a conv state)")
         index = torch.tensor(keep, dtype=torch.long, device=addrs.device)
-        _stock_meta[key] = {name: args[name].index_select(0, index) for name in cpu_align.STATE_META}
-    return _stock_meta[key]
-
-
-_plans: dict[tuple, object] = {}
+        cache[key] = {name: args[name].index_select(0, index) for name in cpu_align.STATE_META}
+    return cache[key]
 
 
 def _replay_plan(args: dict, onepage: dict):
@@ -205,14 +194,15 @@ def _replay_plan(args: dict, onepage: dict):
     from r9k.kernels.triton_align import ReplayLayer, ReplayPlan
 
     key = _device_key(args["state_base_addrs_ptr"])
-    if key not in _plans:
-        _plans[key] = ReplayPlan([
+    plans = runtime.current().align.plans
+    if key not in plans:
+        plans[key] = ReplayPlan([
             ReplayLayer(A_log=layer.A_log, dt_bias=layer.dt_bias,
                         ssm_state=layer.kv_cache[PAGE_SSM], record=layer.onepage_record,
                         flag=layer.onepage_flag,
                         num_k_heads=layer.onepage_heads.num_k_heads, group=g)
             for layer, g in onepage.values()])
-    return _plans[key]
+    return plans[key]
 
 
 def _align_launches(original, grid, boundary: bool, args: dict, onepage: dict) -> None:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from r9k.core.page_layout import head_dims_reason, mamba_groups_reason
+from r9k.plugin import runtime
 
 logger = logging.getLogger("vllm.r9k")
 
@@ -31,7 +32,6 @@ ONEPAGE_ARCHITECTURES = frozenset({
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
 })
-_said: set[str] = set()
 
 
 def gdn_state_mode() -> str:
@@ -240,9 +240,7 @@ def onepage_reason(vllm_config: Any) -> str | None:
 def onepage_enabled(vllm_config: Any) -> bool:
     """The decision, with one log line per engine process saying which pages and why."""
     reason = onepage_reason(vllm_config)
-    key = reason or "onepage"
-    if key not in _said:
-        _said.add(key)
+    if runtime.current().once(f"pages: {reason or 'onepage'}"):
         if reason is None:
             k = vllm_config.speculative_config.num_speculative_tokens
             logger.info("r9k: one-page GDN state pages (1 page per request instead of 1 + %d)", k)
