@@ -1,25 +1,12 @@
 """Contracts of the plugin's touch points that are not vLLM extension routes, checked against
 each release's own source (0.32 installed; 0.33 and 0.34 staged by `doubles.vllm_releases`).
 
-Each test names the plugin code that relies on the release and what it relies on, so a new
-release that breaks a touch point fails here, by name, before any engine runs:
-
-- the one-page GPU path runs vLLM's `_forward_core` with two module-global calls routed
-  (`r9k.plugin.gdn_gpu.bind_routed_forward_core`);
-- the custom op reaches a layer's `_forward_core` by keywords (`OnePageGatedDeltaNetAttention.
-  _forward_core` overrides it);
-- the layer picks its forward through `CustomOp._forward_method` (`r9k.plugin.gdn_layer`);
-- the per-layer decode switches the plugin turns off (`r9k.plugin.gdn_layer`);
-- the metadata builder's persistent index buffer and V2's per-step sharing
-  (`r9k.plugin.gdn_layer.OnePageGDNMetadataBuilder`, `r9k.compat.metadata_sharing`);
-- `VllmConfig._set_cudagraph_sizes` (`r9k.plugin.draft_graphs`);
-- `op_registry_oot` (`r9k.plugin.gdn_layer.register_layer`);
-- the align copy kernels' module globals (`r9k.plugin.onepage_align.install_gpu_kernels`);
-- the spec rows the in-place step reads (`r9k.plugin.gdn_gpu.rearrange_in_place`);
-- the stock recurrence's keywords (`r9k.plugin.gdn_gpu.routed_recurrence`).
-
-The align copy kernels, the CPU ports, the GDN constructor keywords, the prefill checkpoints
-and the registry's modules are checked per release in tests/kernels/test_align_versions.py,
+Each touch point is one module of `r9k.compat` (`compat.TOUCH_POINTS`), whose docstring names
+its contract tests; `test_each_touch_point_is_a_compat_module_with_its_contract` holds every
+module to that, and each test below names what the plugin relies on, so a new release that
+breaks a touch point fails here, by name, before any engine runs. The align copy kernels' and
+CPU ports' signatures, the GDN constructor keywords, the prefill checkpoints and the registry's
+modules are checked per release in tests/kernels/test_align_versions.py,
 tests/kernels/test_cpu_conv_versions.py and tests/test_compat.py.
 """
 from __future__ import annotations
@@ -33,6 +20,8 @@ import pytest
 from doubles.source_ast import GDN, class_def, function_def, parse, self_attrs
 from doubles.vllm_releases import release_params, source_root
 from r9k import compat
+from r9k.compat import (align_globals, cpu_layer, cudagraph_sizes, decode_switches,
+                        forward_core, forward_method, rearrange)
 
 PLUGIN = Path(__file__).resolve().parents[1] / "src" / "r9k" / "plugin"
 GDN_ATTN = "vllm/v1/attention/backends/gdn_attn.py"
@@ -44,13 +33,6 @@ def _calls(fn: ast.AST, name: str) -> list[ast.Call]:
     """Calls of `name` as a plain (module-global) name inside `fn`."""
     return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
             and n.func.id == name]
-
-
-def _plugin_constant(module: str, name: str) -> str:
-    tree = ast.parse((PLUGIN / module).read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets))
-    return ast.literal_eval(node.value)
 
 
 def _plugin_function(module: str, name: str, cls: str | None = None) -> ast.FunctionDef:
@@ -72,8 +54,7 @@ def test_forward_core_calls_the_names_the_one_page_path_routes(release):
     (the routed calls tell spec from non-spec by it), the recurrence only by keywords (its
     routed stand-in takes keywords only) and with every keyword the stand-in requires, and the
     conv update must take `max_query_len` (the routed call sets it to 1 + k)."""
-    conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
-    rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
+    conv_name, rec_name = forward_core.CONV_UPDATE, forward_core.RECURRENCE
     tree = parse(release.root, GDN)
     imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
                 for a in n.names}
@@ -104,7 +85,7 @@ def test_the_custom_op_reaches_the_layers_forward_core_by_the_overrides_keywords
              and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_core"]
     override = _plugin_function("gdn_layer.py", "_forward_core", "OnePageGatedDeltaNetAttention")
     params = [a.arg for a in override.args.args[1:]]
-    assert params == ["mixed_qkv", "b", "a", "core_attn_out"]
+    assert params == list(forward_core.OVERRIDE_PARAMS)
     assert len(calls) == 1 and not calls[0].args, release.series
     assert sorted(k.arg for k in calls[0].keywords) == sorted(params), release.series
 
@@ -115,20 +96,17 @@ def test_forward_runs_the_method_the_layer_sets_after_vllms_constructor(release)
     constructor sets it (so the plugin's later assignment is the last), `forward` calls it, and
     `forward_cuda` exists."""
     cls = class_def(parse(release.root, GDN), "QwenGatedDeltaNetAttention")
-    assert "_forward_method" in self_attrs(function_def(cls.body, "__init__"), ast.Store)
+    attribute = forward_method.ATTRIBUTE
+    assert attribute in self_attrs(function_def(cls.body, "__init__"), ast.Store)
     forward = function_def(cls.body, "forward")
     assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-               and n.func.attr == "_forward_method" for n in ast.walk(forward)), release.series
+               and n.func.attr == attribute for n in ast.walk(forward)), release.series
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-    assert {"forward_cuda", "forward_cpu", "forward_hip"} <= names, release.series
+    assert {forward_method.GPU_FORWARD, "forward_cpu", "forward_hip"} <= names, release.series
     plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
-    assert {"forward_cuda", "forward_cpu_onepage"} <= {
-        n.value.attr for n in ast.walk(plugin_init) if isinstance(n, ast.Assign)
-        and isinstance(n.value, ast.Attribute)
-        and any(isinstance(t, ast.Attribute) and t.attr == "_forward_method" for t in n.targets)}
-
-
-SWITCHES = ("gdn_decode_kernel", "enable_fused_gdn_spec_decode", "enable_packed_recurrent_decode")
+    chosen = [n for n in ast.walk(plugin_init) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Attribute) and n.func.attr == "choose"]
+    assert len(chosen) == 2  # the CPU forward and the GPU one
 
 
 def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
@@ -140,19 +118,23 @@ def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
     set_in_init = self_attrs(function_def(cls.body, "__init__"), ast.Store)
     read = set().union(*(self_attrs(f, ast.Load) for f in cls.body
                          if isinstance(f, ast.FunctionDef) and f.name != "__init__"))
-    for switch in SWITCHES:
+    for switch in decode_switches.SWITCHES:
         assert switch in set_in_init and switch in read, (release.series, switch)
     cuda_tests = [n for n in ast.walk(cls) if isinstance(n, ast.Compare)
                   and isinstance(n.left, ast.Attribute) and n.left.attr == "gdn_decode_kernel"
                   and any(isinstance(c, ast.Constant) and c.value == "cuda"
                           for c in n.comparators)]
     assert cuda_tests, release.series
-    plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
-    turned = {t.attr: n.value for n in ast.walk(plugin_init) if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Attribute) and t.attr in SWITCHES}
-    assert set(turned) == set(SWITCHES)
-    assert [ast.literal_eval(turned[s]) for s in SWITCHES[1:]] == [False, False]
-    assert ast.literal_eval(turned["gdn_decode_kernel"]) != "cuda"
+    turned = decode_switches.SWITCHES
+    assert set(turned) == {"gdn_decode_kernel", "enable_fused_gdn_spec_decode",
+                           "enable_packed_recurrent_decode"}
+    assert turned["enable_fused_gdn_spec_decode"] is turned["enable_packed_recurrent_decode"] \
+        is False
+    assert turned["gdn_decode_kernel"] != "cuda"
+    layer = SimpleNamespace(gdn_decode_kernel="cuda", enable_fused_gdn_spec_decode=True,
+                            enable_packed_recurrent_decode=True)
+    decode_switches.turn_off(layer)
+    assert vars(layer) == {**turned, "stock_gdn_decode_kernel": "cuda"}
 
 
 def _sharing_rule(root: Path) -> ast.expr:
@@ -216,7 +198,7 @@ def test_the_cudagraph_sizes_method_the_draft_graphs_wrap(release):
     cudagraph_capture_sizes` and ending in `post_init_cudagraph_sizes()`, which expands the
     "cudagraph_capture_sizes" token of `compile_sizes` (so the wrapper finds it expanded)."""
     config = class_def(parse(release.root, "vllm/config/vllm.py"), "VllmConfig")
-    method = function_def(config.body, "_set_cudagraph_sizes")
+    method = function_def(config.body, cudagraph_sizes.METHOD)
     assert [a.arg for a in method.args.args] == ["self"] and not method.args.kwonlyargs
     assert any(isinstance(n, ast.Attribute) and n.attr == "cudagraph_capture_sizes"
                and isinstance(n.ctx, ast.Store) for n in ast.walk(method)), release.series
@@ -258,10 +240,7 @@ def test_the_align_kernels_are_launched_only_by_their_module_global_names(releas
     `mamba_utils`' namespace: the release defines both there, launches each only as
     `NAME[grid](...)` by that global name, from the GPU context's methods the V2 runner calls,
     and no other module of the release names them (nothing holds its own reference)."""
-    kernels = ast.literal_eval(next(
-        n.value for n in ast.parse((PLUGIN / "onepage_align.py").read_text()).body
-        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "GPU_KERNELS"
-                                             for t in n.targets)))
+    kernels = align_globals.KERNELS
     tree = parse(release.root, MAMBA_UTILS)
     assert set(kernels) <= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     launches = {k: [] for k in kernels}
@@ -290,7 +269,7 @@ def test_the_spec_rows_the_in_place_step_reads_are_the_spec_conv_output(release)
     only when handed the very tensor the spec conv update returned (`rearrange_in_place`): the
     release's `_forward_core` assigns the spec conv's output and passes that name, unchanged,
     to `self.rearrange_mixed_qkv`."""
-    conv_name = _plugin_constant("gdn_gpu.py", "CONV_UPDATE")
+    conv_name = forward_core.CONV_UPDATE
     core = function_def(class_def(parse(release.root, GDN), "QwenGatedDeltaNetAttention").body,
                      "_forward_core")
     spec_out = {t.id for n in ast.walk(core) if isinstance(n, ast.Assign)
@@ -300,7 +279,7 @@ def test_the_spec_rows_the_in_place_step_reads_are_the_spec_conv_output(release)
                 for t in n.targets if isinstance(t, ast.Name)}
     assert len(spec_out) == 1, release.series
     rearranged = [n.args[0].id for n in ast.walk(core) if isinstance(n, ast.Call)
-                  and isinstance(n.func, ast.Attribute) and n.func.attr == "rearrange_mixed_qkv"
+                  and isinstance(n.func, ast.Attribute) and n.func.attr == rearrange.METHOD
                   and n.args and isinstance(n.args[0], ast.Name)]
     assert spec_out <= set(rearranged), (release.series, spec_out, rearranged)
     # and unchanged between the two: no other assignment to that name in between
@@ -324,7 +303,7 @@ def test_the_stock_recurrence_takes_the_keywords_the_one_page_path_passes(releas
     `fused_sigmoid_gating_delta_rule_update` with the keywords `routed_recurrence` names, and
     one-page's kernels reuse that kernel's tiling: every keyword the plugin passes is a
     parameter of the release's function."""
-    rec_name = _plugin_constant("gdn_gpu.py", "RECURRENCE")
+    rec_name = forward_core.RECURRENCE
     path = "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py"
     fn = function_def(parse(release.root, path).body, rec_name)
     params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
@@ -333,3 +312,57 @@ def test_the_stock_recurrence_takes_the_keywords_the_one_page_path_passes(releas
               and isinstance(n.func, ast.Name) and n.func.id == "stock_recurrence"
               for k in n.keywords if k.arg}
     assert passed and passed <= params, (release.series, sorted(passed - params))
+
+
+CPU_GDN = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
+
+
+def test_the_cpu_helpers_the_one_page_cpu_path_calls_are_the_releases(release):
+    """`r9k.compat.cpu_layer.PRIVATE_HELPERS` is every private function of vLLM's CPU GDN
+    module the plugin calls (`stock_cpu._name(...)` in its CPU layer and align copies), and
+    each is a function of the release's module."""
+    called = set()
+    for module in ("gdn_cpu.py", "onepage_align.py"):
+        tree = ast.parse((PLUGIN / module).read_text())
+        called |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Name) and n.value.id == "stock_cpu"
+                   and n.attr.startswith("_")}
+    assert called == set(cpu_layer.PRIVATE_HELPERS)
+    assert cpu_layer.MODULE.replace(".", "/") + ".py" == CPU_GDN
+    defined = {n.name for n in parse(release.root, CPU_GDN).body if isinstance(n, ast.FunctionDef)}
+    assert set(cpu_layer.PRIVATE_HELPERS) <= defined, (
+        release.series, sorted(set(cpu_layer.PRIVATE_HELPERS) - defined))
+
+
+TESTS = Path(__file__).resolve().parent
+DOC = TESTS.parent / "docs" / "vllm-touch-points.md"
+SECTIONS = ("Changes:", "Why no extension route:", "Contract:")
+
+
+def test_each_touch_point_is_a_compat_module_with_its_contract():
+    """Every module `compat.TOUCH_POINTS` lists says what it changes, why no extension route
+    exists and which tests check it; each of those tests exists, is run per release (a
+    `release`, `version` or `series` parameter), and the touch-point list names the module."""
+    import importlib
+
+    defined = {}
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                defined[node.name] = node
+    doc = DOC.read_text()
+    assert len(compat.TOUCH_POINTS) == len(set(compat.TOUCH_POINTS)) >= 10
+    for name in compat.TOUCH_POINTS:
+        text = importlib.import_module(f"r9k.compat.{name}").__doc__ or ""
+        assert text.startswith("Touch point:"), name
+        positions = [text.find(section) for section in SECTIONS]
+        assert -1 not in positions and positions == sorted(positions), (name, positions)
+        contract = text[positions[-1] + len("Contract:"):].split("\n\n")[0]
+        words = [w.strip(".,;()`") for w in contract.split()]
+        tests = [w for w in words if w.startswith("test_")]
+        assert tests, name
+        for test in tests:
+            assert test in defined, (name, test)
+            params = {a.arg for a in defined[test].args.args}
+            assert params & {"release", "version", "series"}, (name, test, params)
+        assert f"r9k.compat.{name}" in doc, name

@@ -12,6 +12,7 @@ import vllm.forward_context as fc  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_gdn  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
+from r9k.compat import forward_core  # noqa: E402
 from r9k.plugin import gdn_gpu  # noqa: E402
 from r9k.core.page_layout import FLAG_COUNT, RECORD_SLOTS  # noqa: E402
 from r9k.kernels.gpu_step import onepage_spec_step  # noqa: E402
@@ -74,9 +75,9 @@ ns = bound.__func__.__globals__
 assert bound.__self__ is layer and bound.__func__.__code__ is Stock._forward_core.__code__
 assert ns is not stock_gdn.__dict__
 assert {n for n in stock_gdn.__dict__ if ns[n] is not stock_gdn.__dict__[n]} == {
-    gdn_gpu.CONV_UPDATE, gdn_gpu.RECURRENCE}
-assert ns[gdn_gpu.CONV_UPDATE].args == (layer, STOCK_CONV)
-assert ns[gdn_gpu.RECURRENCE].args == (layer, "fused", STOCK_REC)
+    forward_core.CONV_UPDATE, forward_core.RECURRENCE}
+assert ns[forward_core.CONV_UPDATE].args == (layer, STOCK_CONV)
+assert ns[forward_core.RECURRENCE].args == (layer, "fused", STOCK_REC)
 assert stock_gdn.causal_conv1d_update is STOCK_CONV
 assert stock_gdn.fused_sigmoid_gating_delta_rule_update is STOCK_REC
 print("bound once")
@@ -87,7 +88,7 @@ want = onepage_spec_step(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, 
                          record=rec0, flag=flag0, state_indices=pages, num_accepted=na,
                          cu_seqlens=cu)
 layer1 = FakeLayer(*pools(), A_log, dt_bias)
-got, state = gdn_gpu.bind_routed_forward_core(layer1).__func__.__globals__[gdn_gpu.RECURRENCE](
+got, state = gdn_gpu.bind_routed_forward_core(layer1).__func__.__globals__[forward_core.RECURRENCE](
     A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q.unsqueeze(0), k=k.unsqueeze(0),
     v=v.unsqueeze(0), initial_state=layer1.kv_cache[1], inplace_final_state=True, cu_seqlens=cu,
     ssm_state_indices=pages[:, None], num_accepted_tokens=na, use_qk_l2norm_in_kernel=True)

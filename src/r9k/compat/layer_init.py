@@ -1,5 +1,13 @@
-"""Differences in how vLLM builds and configures the GDN layer (`QwenGatedDeltaNetAttention`).
+"""Touch point: the GDN layer's constructor and its prefill checkpoints.
 
+Changes: the one-page layer takes exactly the release's constructor keywords, and from 0.33
+sets the layer's private `_checkpoint_alignment = None` (no prefill checkpoints).
+Why no extension route: the constructor decides whether a layer exports checkpoints, and
+one-page pages have no checkpoint slot.
+Contract: test_layer_keywords_are_the_release_constructor,
+test_prefill_checkpoint_opt_out_sets_what_the_release_reads.
+
+Differences between releases:
 - Constructor keywords past 0.32's (config, vllm_config, prefix, gqa_interleaved_layout,
   reduce_results): 0.34 adds `overlap_ba_proj` and `fused_gdn_gated_rms_norm` (its new NVIDIA
   Qwen3.5 model passes both). The one-page layer takes exactly the release's keywords and

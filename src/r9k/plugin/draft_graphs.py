@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from r9k.compat import cudagraph_sizes
 from r9k.plugin.policy import draft_capture_sizes, draft_graphs
 
 logger = logging.getLogger("vllm.r9k")
@@ -35,27 +36,11 @@ def add_max_num_seqs(vllm_config: Any) -> list[int] | None:
     return sizes
 
 
+def _added_sizes(vllm_config: Any) -> list[int] | None:
+    return add_max_num_seqs(vllm_config) if draft_graphs() else None
+
+
 def install(config_cls: Any) -> bool:
-    """Wrap `config_cls._set_cudagraph_sizes` (once: a wrapped one stays as it is); False where
+    """Wrap `config_cls._set_cudagraph_sizes` (`r9k.compat.cudagraph_sizes`; once); False where
     the release has no such method."""
-    original = getattr(config_cls, "_set_cudagraph_sizes", None)
-    if original is None:
-        return False
-    if getattr(original, "r9k_wrapped", False):
-        return True
-
-    def _set_cudagraph_sizes(self) -> None:
-        given = self.compilation_config.cudagraph_capture_sizes is not None
-        # vLLM expands this token into compile_sizes at the end of the original
-        compiled = "cudagraph_capture_sizes" in (self.compilation_config.compile_sizes or [])
-        original(self)
-        if not given and draft_graphs():
-            sizes = add_max_num_seqs(self)
-            if sizes is not None and compiled:
-                cc = self.compilation_config
-                cc.compile_sizes = sorted(set(cc.compile_sizes) | {self.scheduler_config.max_num_seqs})
-
-    _set_cudagraph_sizes.r9k_wrapped = True
-    _set_cudagraph_sizes.__wrapped__ = original
-    config_cls._set_cudagraph_sizes = _set_cudagraph_sizes
-    return True
+    return cudagraph_sizes.wrap(config_cls, _added_sizes)

@@ -66,14 +66,13 @@ def register_cpu_align_kernels() -> None:
 
     if not current_platform.is_cpu() or HAS_TRITON:
         return
-    from vllm.triton_utils.dispatcher import register_kernels
-
     # the stock ports, one-page aware: a one-page layer's SSM state replays its record
     from r9k import compat
+    from r9k.compat import align_globals
     from r9k.plugin.onepage_align import kernel_ports
 
     align = compat.current().align
-    register_kernels(kernel_ports(align.precopy, align.boundary))
+    align_globals.register_cpu_ports(kernel_ports(align.precopy, align.boundary))
     logger.info("r9k: CPU mamba align kernels registered (prefix caching with spec decoding)")
 
 

@@ -24,41 +24,33 @@ Proven at kernel and step level on an H200 (tests/gpu) and run in vLLM 0.32.0's 
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as stock_gdn
 
+from r9k.compat import forward_core, rearrange
 from r9k.kernels.gpu_step import clear_flags, onepage_spec_step
 from r9k.plugin.policy import gdn_inplace, gdn_step_mode
-# the module-global names vLLM's _forward_core calls on the spec path
-CONV_UPDATE = "causal_conv1d_update"
-RECURRENCE = "fused_sigmoid_gating_delta_rule_update"
 
 
 def bind_routed_forward_core(layer):
     """vLLM's `_forward_core` as a method of `layer`, with its spec-path calls routed.
 
     The same code object and closure, run against a copy of its module's globals where the
-    conv update and the recurrence are the layer's routed calls. Built once per layer.
+    conv update and the recurrence are the layer's routed calls (`r9k.compat.forward_core`).
+    Built once per layer.
     """
-    stock = stock_gdn.QwenGatedDeltaNetAttention._forward_core
-    namespace = dict(stock.__globals__)
     impl = gdn_step_mode()
-    namespace[CONV_UPDATE] = functools.partial(
-        routed_conv_update, layer, stock.__globals__[CONV_UPDATE])
-    namespace[RECURRENCE] = functools.partial(
-        routed_recurrence, layer, impl, stock.__globals__[RECURRENCE])
-    routed = types.FunctionType(stock.__code__, namespace, stock.__name__, stock.__defaults__,
-                                stock.__closure__)
+    routed = forward_core.routed(layer, {
+        forward_core.CONV_UPDATE: lambda stock: functools.partial(routed_conv_update, layer, stock),
+        forward_core.RECURRENCE: lambda stock: functools.partial(routed_recurrence, layer, impl,
+                                                                 stock)})
     layer.onepage_inplace = gdn_inplace() and impl == "fused"  # read (and checked) either way
     layer.onepage_spec_rows = None  # the spec conv's output, while _forward_core runs
     layer.onepage_spec_out = None  # core_attn_out's rows on spec-only steps
     if layer.onepage_inplace:
-        layer.rearrange_mixed_qkv = functools.partial(
-            rearrange_in_place, layer, layer.rearrange_mixed_qkv)
-    return types.MethodType(routed, layer)
+        rearrange.replace(layer, rearrange_in_place)
+    return routed
 
 
 def onepage_forward_core(layer, mixed_qkv, b, a, core_attn_out):

@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend, GDNAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from r9k.compat import decode_switches, forward_method, oot_registry
 from r9k.core.page_layout import PAGE_FLAG, PAGE_RECORD
 from r9k.kernels.onepage import GdnHeads
 from r9k.plugin.models.sizing import record_dtypes, record_shapes
@@ -46,18 +47,13 @@ class OnePageGDNMetadataBuilder(GDNAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.spec_state_indices_tensor = torch.empty(
-            (self.decode_cudagraph_max_bs, 1), dtype=torch.int32, device=device)
-        # V2 builds GDN metadata once per step and re-gathers the other groups' state indices
-        # (`update_block_table`), but only for its own class (`type(self) is ...`, to keep KDA
-        # out). This builder adds no per-group metadata, so it shares on the same terms; without
-        # this every one-page group rebuilt the whole metadata each step.
         from r9k import compat
+        from r9k.compat import metadata_sharing
 
+        metadata_sharing.one_column_spec_indices(self, device)
+        # without sharing every one-page group rebuilt the whole metadata each step
         if compat.current().shares_gdn_metadata(vllm_config, device):
-            self.supports_update_block_table = True
-            if not hasattr(self, "mamba_aligned_state_indices"):
-                self.mamba_aligned_state_indices = None  # opts into V2's aligned-index precompute
+            metadata_sharing.share(self)
             if runtime.current().once("metadata-shared"):
                 logger.info("r9k one-page GDN metadata: built once per step and shared by the "
                             "one-page groups (update_block_table)")
@@ -98,22 +94,19 @@ class OnePageGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         # Decode paths that would bypass the record: off for one-page layers. Where vLLM chose
         # NVIDIA's fused MTP decode ("cuda"), one-page's own step runs instead
         # (r9k_plugin_info's gdn_spec_decode says so).
-        self.stock_gdn_decode_kernel = self.gdn_decode_kernel
-        self.gdn_decode_kernel = "r9k-onepage"  # no vLLM path keyed on "cuda" is taken
-        self.enable_fused_gdn_spec_decode = False
-        self.enable_packed_recurrent_decode = False
+        decode_switches.turn_off(self)
         runtime.current().track_layer(self)  # prefix caching's copies replay its record
         if current_platform.is_cpu():
             from r9k.plugin import gdn_cpu
 
             gdn_cpu.register_op()  # at construction: torch.compile must not trace a registration
             self._onepage_forward_cpu = gdn_cpu.onepage_forward_cpu
-            self._forward_method = self.forward_cpu_onepage
+            forward_method.choose(self, self.forward_cpu_onepage)
         elif current_platform.is_cuda_alike():
             from r9k.plugin import gdn_gpu
 
             # forward_hip would take AITER's GDN kernels; forward_cuda reaches _forward_core
-            self._forward_method = self.forward_cuda
+            forward_method.choose(self, forward_method.gpu_forward(self))
             self.routed_forward_core = gdn_gpu.bind_routed_forward_core(self)
         else:
             raise RuntimeError(f"r9k one-page GDN has no path for platform "
@@ -185,12 +178,11 @@ def register_layer() -> None:
     done = runtime.current().registered
     if "layer" in done:
         return
-    from vllm.model_executor.custom_op import op_registry_oot
-
     name = QwenGatedDeltaNetAttention.__name__
-    if name in op_registry_oot:  # another plugin took it: do not fight over the layer
+    taken = oot_registry.replaced_by(name)
+    if taken is not None:  # another plugin took it: do not fight over the layer
         logger.warning("r9k: %s is already replaced by %s; keeping stock GDN pages", name,
-                       op_registry_oot[name].__qualname__)
+                       taken.__qualname__)
         return
     QwenGatedDeltaNetAttention.register_oot(OnePageGatedDeltaNetAttention)
     done.add("layer")

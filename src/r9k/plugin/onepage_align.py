@@ -30,11 +30,14 @@ import functools
 
 import torch
 
+from r9k.compat import align_globals
 from r9k.core.page_layout import PAGE_SSM
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import replay_into
 from r9k.plugin import runtime
 from r9k.plugin.runtime import AlignState
+
+GPU_KERNELS = align_globals.KERNELS  # vLLM's name: boundary copy?
 
 
 def reset() -> None:
@@ -272,12 +275,6 @@ class GpuAlignKernel:
                          cpu_align.bind(self._signature, args, kwargs))
 
 
-GPU_KERNELS = {  # vLLM's name in v1/worker/mamba_utils.py: boundary copy?
-    "precopy_mamba_align_fused_kernel": False,
-    "postprocess_mamba_fused_kernel": True,
-}
-
-
 def install_gpu_kernels(module, precopy=cpu_align.PRECOPY, boundary=cpu_align.BOUNDARY
                         ) -> list[str]:
     """Put `GpuAlignKernel`s where `module` (vLLM's mamba_utils, or a stand-in in tests) holds
@@ -286,13 +283,8 @@ def install_gpu_kernels(module, precopy=cpu_align.PRECOPY, boundary=cpu_align.BO
     from r9k.plugin import align_graphs
 
     align_graphs.enabled()
-    done = []
-    signatures = {"precopy_mamba_align_fused_kernel": precopy,
-                  "postprocess_mamba_fused_kernel": boundary}
-    for name, is_boundary in GPU_KERNELS.items():
-        original = getattr(module, name)
-        if isinstance(original, GpuAlignKernel):
-            continue
-        setattr(module, name, GpuAlignKernel(original, name, signatures[name], is_boundary))
-        done.append(name)
-    return done
+    signatures = {False: precopy, True: boundary}
+    return align_globals.install(
+        module, lambda original, name, is_boundary: GpuAlignKernel(
+            original, name, signatures[is_boundary], is_boundary),
+        lambda kernel: isinstance(kernel, GpuAlignKernel))
