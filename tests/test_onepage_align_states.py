@@ -122,17 +122,19 @@ def test_a_metadata_order_the_plugin_does_not_know_is_refused(align):
     with pytest.raises(RuntimeError, match="vLLM's state order changed"):
         oa.onepage_states(align.align, swapped, meta["state_group_indices_ptr"])
     with pytest.raises(RuntimeError, match="mamba layers other than one-page GDN layers"):
-        oa.onepage_states(align.align, meta["state_base_addrs_ptr"][:-1], meta["state_group_indices_ptr"][:-1])
+        oa.onepage_states(align.align, meta["state_base_addrs_ptr"][:-1],
+                          meta["state_group_indices_ptr"][:-1])
 
 
-def test_a_runtime_sees_only_its_own_layers():
-    """The check reads the runtime it is given: layers another runtime tracks (another engine
-    in a test process) are not one-page states of this one."""
+def test_a_runtime_checks_against_its_own_layers():
+    """The check reads the runtime it is given: metadata listing another runtime's layers
+    (another engine in a test process) is refused by one that tracks different layers of the
+    same shape, and resolved by the one that tracks them."""
     heads = GdnHeads(2, 4, 64, 64)
     mine, other = runtime.Runtime(), runtime.Runtime()
-    world = _tracked(other, _world(1, 2, heads, 3))  # kept: the runtime holds layers weakly
-    meta = _metadata(world)
-    assert oa.onepage_states(mine.align, meta["state_base_addrs_ptr"],
-                             meta["state_group_indices_ptr"]) == {}
+    kept = _tracked(mine, _world(1, 2, heads, 3)), _tracked(other, _world(1, 2, heads, 3))
+    meta = _metadata(kept[1])  # the runtimes hold layers weakly: kept alive here
+    with pytest.raises(RuntimeError, match="vLLM's state order changed"):
+        oa.onepage_states(mine.align, meta["state_base_addrs_ptr"], meta["state_group_indices_ptr"])
     assert sorted(oa.onepage_states(other.align, meta["state_base_addrs_ptr"],
                                     meta["state_group_indices_ptr"])) == [1, 3]

@@ -1,6 +1,7 @@
 """The plugin's process-wide state is one object (`r9k.plugin.runtime`), and the two holders
-below the plugin are the only other module-level state the plugin, kernels and release
-adapters change at run time (found by reading their source: `doubles.module_state`)."""
+below the plugin (the kernels' launch caches, the release adapter) and the memo of the stock
+kernel's module are the only other module-level state the plugin, kernels and release adapters
+change at run time (found by reading their source: `doubles.module_state`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,16 +17,19 @@ HOLDERS = {
     ("r9k.plugin.runtime", "_runtime"),        # the plugin's Runtime
     ("r9k.kernels.launch_cache", "CACHES"),    # the kernels' launch caches (Runtime.kernel_caches)
     ("r9k.compat", "_current"),                # the release adapter registration chose
+    # the stock Triton GDN kernel's module, loaded once (an import's result, not run-time state)
+    ("r9k.kernels._stock_loader", "stock_module"),
 }
 
 
-def test_the_only_module_state_is_the_runtime_and_the_two_holders_below_it():
+def test_the_only_module_state_is_the_runtime_and_the_holders_below_it():
     assert package_state(SRC, ("r9k.plugin", "r9k.kernels", "r9k.compat")) == HOLDERS
 
 
 def test_the_finder_sees_each_way_of_keeping_state():
     """What the finder counts, so the test above cannot pass by not looking."""
     source = '''
+import functools
 from r9k.kernels.launch_cache import CACHES
 import os
 _flag = False
@@ -34,6 +38,22 @@ _table = {}
 _obj = object()
 _fine = {"constant": 1}
 _local = []
+_shadowed = []
+_ordered = []
+
+@functools.lru_cache(maxsize=1)
+def _memo():
+    return 1
+
+def g(_local):
+    _local.append(1)  # its own parameter
+
+def h():
+    _shadowed.append(1)  # the module's, though a later function has a local of that name
+    _ordered.sort()
+
+def k(_shadowed):
+    return _shadowed
 
 def f(x):
     global _flag
@@ -48,7 +68,8 @@ def f(x):
     return _fine["constant"]
 '''
     assert mutated_names(source, "m") == {("m", "_flag"), ("m", "_seen"), ("m", "_table"),
-                                          ("m", "_obj"),
+                                          ("m", "_obj"), ("m", "_shadowed"), ("m", "_ordered"),
+                                          ("m", "_memo"),
                                           ("r9k.kernels.launch_cache", "CACHES")}
 
 
@@ -59,6 +80,7 @@ def test_reset_keeps_what_cannot_be_undone_and_forgets_the_rest(monkeypatch):
     rt.track_group(["model.layers.0.linear_attn"])
     assert rt.once("said") and not rt.once("said")
     align_graphs.run(lambda args, onepage: None, ("k",), {"num_reqs": 1}, {})
+    assert align_graphs.stats()["eager"] == 1
     CACHES.row_positions[(3, "cpu")] = torch.arange(3)
     try:
         fresh = runtime.reset()

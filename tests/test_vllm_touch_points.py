@@ -104,9 +104,10 @@ def test_forward_runs_the_method_the_layer_sets_after_vllms_constructor(release)
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     assert {forward_method.GPU_FORWARD, "forward_cpu", "forward_hip"} <= names, release.series
     plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
-    chosen = [n for n in ast.walk(plugin_init) if isinstance(n, ast.Call)
-              and isinstance(n.func, ast.Attribute) and n.func.attr == "choose"]
-    assert len(chosen) == 2  # the CPU forward and the GPU one
+    chosen = sorted(ast.unparse(n.args[1]) for n in ast.walk(plugin_init)
+                    if isinstance(n, ast.Call) and ast.unparse(n.func) == "forward_method.choose"
+                    and ast.unparse(n.args[0]) == "self")
+    assert chosen == ["forward_method.gpu_forward(self)", "self.forward_cpu_onepage"]
 
 
 def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
@@ -131,6 +132,9 @@ def test_the_decode_switches_the_layer_turns_off_are_the_releases(release):
     assert turned["enable_fused_gdn_spec_decode"] is turned["enable_packed_recurrent_decode"] \
         is False
     assert turned["gdn_decode_kernel"] != "cuda"
+    plugin_init = _plugin_function("gdn_layer.py", "__init__", "OnePageGatedDeltaNetAttention")
+    assert "decode_switches.turn_off(self)" in {
+        ast.unparse(n) for n in ast.walk(plugin_init) if isinstance(n, ast.Call)}
     layer = SimpleNamespace(gdn_decode_kernel="cuda", enable_fused_gdn_spec_decode=True,
                             enable_packed_recurrent_decode=True)
     decode_switches.turn_off(layer)
@@ -320,7 +324,8 @@ CPU_GDN = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
 def test_the_cpu_helpers_the_one_page_cpu_path_calls_are_the_releases(release):
     """`r9k.compat.cpu_layer.PRIVATE_HELPERS` is every private function of vLLM's CPU GDN
     module the plugin calls (`stock_cpu._name(...)` in its CPU layer and align copies), and
-    each is a function of the release's module."""
+    each is a function of the release's module; every private name the plugin imports from
+    vLLM is in `PRIVATE_ELSEWHERE`, and each of those is defined where it says."""
     called = set()
     for module in ("gdn_cpu.py", "onepage_align.py"):
         tree = ast.parse((PLUGIN / module).read_text())
@@ -332,6 +337,21 @@ def test_the_cpu_helpers_the_one_page_cpu_path_calls_are_the_releases(release):
     defined = {n.name for n in parse(release.root, CPU_GDN).body if isinstance(n, ast.FunctionDef)}
     assert set(cpu_layer.PRIVATE_HELPERS) <= defined, (
         release.series, sorted(set(cpu_layer.PRIVATE_HELPERS) - defined))
+    # the private names the plugin imports from vLLM anywhere are listed too
+    imported = set()
+    for path in PLUGIN.rglob("*.py"):
+        imported |= {a.name for n in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm")
+                     for a in n.names if a.name.startswith("_")}
+    elsewhere = {name for _, _, name in cpu_layer.PRIVATE_ELSEWHERE}
+    assert imported <= elsewhere, sorted(imported - elsewhere)
+    for path, owner, name in cpu_layer.PRIVATE_ELSEWHERE:
+        tree = parse(release.root, path)
+        body = tree.body if owner == "module" else class_def(tree, owner).body
+        names = {n.name for n in body if isinstance(n, ast.FunctionDef)} | {
+            n.target.id for n in body if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)}
+        assert name in names, (release.series, path, owner, name)
 
 
 TESTS = Path(__file__).resolve().parent
@@ -352,6 +372,9 @@ def test_each_touch_point_is_a_compat_module_with_its_contract():
                 defined[node.name] = node
     doc = DOC.read_text()
     assert len(compat.TOUCH_POINTS) == len(set(compat.TOUCH_POINTS)) >= 10
+    from r9k.kernels import cpu_align
+
+    assert cpu_align.QUALIFIED == align_globals.MODULE + "."  # the CPU ports' dispatcher keys
     for name in compat.TOUCH_POINTS:
         text = importlib.import_module(f"r9k.compat.{name}").__doc__ or ""
         assert text.startswith("Touch point:"), name

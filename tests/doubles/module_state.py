@@ -2,7 +2,9 @@
 
 A name counts when some function of its module rebinds it (`global`), or writes into it:
 an item or attribute stored or deleted through it (`NAME[k] = v`, `NAME.x[k] = v`,
-`NAME.x = v`) or a mutating method called on it (`NAME.add(...)`, `NAME.x.clear()`).
+`NAME.x = v`) or a mutating method called on it (`NAME.add(...)`, `NAME.x.clear()`); and a
+module-level function that memoizes (`functools.lru_cache` / `cache`) counts as its own state.
+Not seen: aliases (`import a.b as x`, `y = NAME` then `y.add(...)`).
 A name imported from the package (`from r9k.kernels.launch_cache import CACHES`) and written
 into counts for the module that defines it. Names bound by other imports are not state
 (`os.environ.pop` is the os module's business).
@@ -13,13 +15,26 @@ import ast
 from pathlib import Path
 
 MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "clear", "pop", "popitem",
-                      "setdefault", "discard", "remove", "__setitem__", "__delitem__"})
+                      "setdefault", "discard", "remove", "__setitem__", "__delitem__", "sort",
+                      "reverse", "appendleft", "extendleft", "popleft", "move_to_end",
+                      "difference_update", "intersection_update",
+                      "symmetric_difference_update"})
+MEMOIZERS = frozenset({"lru_cache", "cache"})
 
 
 def _root(node: ast.AST) -> str | None:
     """The name an attribute / item chain starts from (`a.b[c].d` -> `a`)."""
     while isinstance(node, (ast.Attribute, ast.Subscript)):
         node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _decorator_name(node: ast.expr) -> str | None:
+    """`lru_cache` for @lru_cache, @lru_cache(maxsize=1) and @functools.lru_cache."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
     return node.id if isinstance(node, ast.Name) else None
 
 
@@ -67,9 +82,10 @@ def mutated_names(source: str, module: str = "", package: str = "r9k") -> set[tu
             local = {a.arg for a in fn.args.args}
         else:
             local = _locals(fn)
+        hits: set[str] = set()
         for node in ast.walk(fn):
             if isinstance(node, ast.Global):
-                found |= set(node.names) & bound
+                hits |= set(node.names) & bound
             targets = []
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -77,11 +93,15 @@ def mutated_names(source: str, module: str = "", package: str = "r9k") -> set[tu
                 targets = node.targets
             for t in targets:
                 if isinstance(t, (ast.Attribute, ast.Subscript)):
-                    found.add(_root(t))
+                    hits.add(_root(t))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in MUTATORS):
-                found.add(_root(node.func.value))
-        found -= local
+                hits.add(_root(node.func.value))
+        found |= hits - local  # a name the function binds itself is its own
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _decorator_name(d) in MEMOIZERS for d in node.decorator_list):
+            found.add(node.name)
     # module-level statements that mutate (outside functions) run once at import: not state
     return ({(module, n) for n in found if n in bound}
             | {ours[n] for n in found if n in ours})

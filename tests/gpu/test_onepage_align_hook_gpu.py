@@ -139,7 +139,8 @@ class World:
 
 @pytest.fixture
 def onepage_align(monkeypatch):
-    """r9k.plugin.onepage_align with empty registries (its module state is per engine process)."""
+    """r9k.plugin.onepage_align over a fresh runtime (the plugin's state is per engine
+    process: r9k.plugin.runtime)."""
     from r9k.plugin import onepage_align as oa
 
     oa.reset()
@@ -153,16 +154,21 @@ def _stand_ins(oa):
     ref = mamba_align_kernels()
     module = SimpleNamespace(precopy_mamba_align_fused_kernel=ref.precopy_mamba_align_fused_kernel,
                              postprocess_mamba_fused_kernel=ref.postprocess_mamba_fused_kernel)
-    assert sorted(oa.install_gpu_kernels(module)) == sorted(oa.GPU_KERNELS)
+    from r9k.compat.align_globals import KERNELS
+
+    assert sorted(oa.install_gpu_kernels(module)) == sorted(KERNELS)
     assert oa.install_gpu_kernels(module) == []  # idempotent
     return ref, module
 
 
 def _track(oa, world, layers):
+    from r9k.plugin import runtime
+
+    rt = runtime.current()
     for grp, group_layers in enumerate(layers):
         for layer in group_layers:
-            oa.track_layer(layer)
-        oa.track_group([layer.prefix for layer in group_layers])
+            rt.track_layer(layer)
+        rt.track_group([layer.prefix for layer in group_layers])
 
 
 def _reference_replays(world, raw, pairs):

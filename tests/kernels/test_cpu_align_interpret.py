@@ -78,7 +78,8 @@ def test_gpu_stand_ins_sit_where_both_gpu_runners_launch_from():
     code = """
 import vllm.v1.worker.mamba_utils as m
 import vllm.v1.worker.gpu.model_states.mamba_hybrid as v2
-from r9k.plugin.onepage_align import GPU_KERNELS, GpuAlignKernel, install_gpu_kernels
+from r9k.compat.align_globals import KERNELS as GPU_KERNELS
+from r9k.plugin.onepage_align import GpuAlignKernel, install_gpu_kernels
 assert sorted(install_gpu_kernels(m)) == sorted(GPU_KERNELS)
 ctx = m.MambaSpecDecodeGPUContext
 uses = {"run_fused_precopy": "precopy_mamba_align_fused_kernel",

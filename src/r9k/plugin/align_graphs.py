@@ -33,7 +33,6 @@ MAX_PENDING = 4096  # keys seen once, waiting for a second sighting
 STATIC_ARGS = ("idx_mapping_ptr",)  # arguments whose values are copied into a kept buffer
 
 
-
 def enabled() -> bool:
     g = runtime.current().graphs
     if g.disabled is None:

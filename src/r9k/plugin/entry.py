@@ -85,12 +85,14 @@ def register_gpu_align_kernels() -> None:
 
     if not current_platform.is_cuda_alike() or not HAS_TRITON:
         return
-    from vllm.v1.worker import mamba_utils
+    import importlib
 
     from r9k import compat
+    from r9k.compat import align_globals
     from r9k.plugin.onepage_align import install_gpu_kernels
 
     align = compat.current().align
+    mamba_utils = importlib.import_module(align_globals.MODULE)
     if install_gpu_kernels(mamba_utils, align.precopy, align.boundary):
         logger.info("r9k: GPU mamba align kernels one-page aware (prefix caching with spec "
                     "decoding)")

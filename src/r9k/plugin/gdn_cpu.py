@@ -20,6 +20,7 @@ from r9k.kernels.cpu import VllmCpuOps
 from r9k.kernels.onepage import (
     NULL_PAGE, GdnInputs, clear_records, onepage_verify_step, replay_accepted_rows)
 
+
 def register_op() -> None:
     from r9k.plugin import runtime
 

@@ -37,21 +37,11 @@ from r9k.kernels.onepage import replay_into
 from r9k.plugin import runtime
 from r9k.plugin.runtime import AlignState
 
-GPU_KERNELS = align_globals.KERNELS  # vLLM's name: boundary copy?
-
 
 def reset() -> None:
-    """Forget every layer, group, cached launch and graph (tests: one engine per process
-    otherwise)."""
+    """Forget every layer, group, cached launch and graph, the log-once keys and the kernels'
+    launch caches: a fresh `r9k.plugin.runtime` (tests: one engine per process otherwise)."""
     runtime.reset()
-
-
-def track_layer(layer) -> None:
-    runtime.current().track_layer(layer)
-
-
-def track_group(layer_names) -> None:
-    runtime.current().track_group(layer_names)
 
 
 def onepage_states(state: AlignState, state_base_addrs: torch.Tensor,
