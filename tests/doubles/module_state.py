@@ -38,9 +38,9 @@ def _decorator_name(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _module_names(tree: ast.Module, package: str) -> tuple[set[str], set[str], dict]:
-    """(names the module binds at its top level, names it binds by import, {local name:
-    (module, name)} for names imported from `package`)."""
+def _module_names(tree: ast.Module, package: str) -> tuple[set[str], dict]:
+    """(names the module binds at its top level, not by import; {local name: (module, name)}
+    for names imported from `package`)."""
     bound, imported, ours = set(), set(), {}
     for node in ast.walk(tree):  # imports inside functions too
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
@@ -54,7 +54,7 @@ def _module_names(tree: ast.Module, package: str) -> tuple[set[str], set[str], d
                 bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
-    return bound - imported, imported, ours
+    return bound - imported, ours
 
 
 def _locals(fn: ast.AST) -> set[str]:
@@ -73,7 +73,7 @@ def mutated_names(source: str, module: str = "", package: str = "r9k") -> set[tu
     """{(defining module, name)} of the module-level names `source` (module `module`)
     changes."""
     tree = ast.parse(source)
-    bound, _, ours = _module_names(tree, package)
+    bound, ours = _module_names(tree, package)
     found: set[str] = set()
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                              ast.Lambda))]

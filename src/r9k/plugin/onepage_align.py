@@ -35,7 +35,6 @@ from r9k.core.page_layout import PAGE_SSM
 from r9k.kernels import cpu_align
 from r9k.kernels.onepage import replay_into
 from r9k.plugin import runtime
-from r9k.plugin.runtime import AlignState
 
 
 def reset() -> None:
@@ -44,7 +43,7 @@ def reset() -> None:
     runtime.reset()
 
 
-def onepage_states(state: AlignState, state_base_addrs: torch.Tensor,
+def onepage_states(state: runtime.AlignState, state_base_addrs: torch.Tensor,
                    state_group_indices: torch.Tensor) -> dict[int, tuple[object, int]]:
     """{state index: (one-page layer, group)} for the states that are a one-page layer's SSM
     state, from the layers and groups `state` tracks.
